@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs, then run it. README's second command; .ci/run runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v beanstalkd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq beanstalkd
+fi
+if ! command -v java >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
+fi
+python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+exec python3 -m pytest -m "not slow" -p no:cacheprovider "$@"

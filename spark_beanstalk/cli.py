@@ -1,0 +1,22 @@
+"""The `spark-beanstalk` command: the broker and the operator verbs under one name."""
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="spark-beanstalk")
+def main() -> None:
+    """spark-beanstalk: a beanstalkd-compatible broker and tools for it."""
+
+
+def _register_subcommands() -> None:
+    from broker.cli import broker_command
+
+    main.add_command(broker_command, name="broker")
+
+
+_register_subcommands()
+
+if __name__ == "__main__":
+    main()

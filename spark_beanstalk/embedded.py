@@ -1,0 +1,138 @@
+"""Start and stop beanstalk-protocol servers as child processes.
+
+Used by the flagship demo (an embedded broker it starts itself), the tests (a real
+broker process on a free port, and real beanstalkd 1.12 for differential runs) and
+the benchmarks. One place, so every caller waits for readiness the same way.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll until a TCP connect succeeds; fail early if the process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with code {proc.returncode} before listening on {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.1f}s")
+            time.sleep(0.02)
+
+
+@dataclass
+class ServerProcess:
+    """A running server child process listening on host:port."""
+
+    argv: list[str]
+    host: str
+    port: int
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None
+    stderr_path: str | None = None
+    _stderr_file: object = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 15.0) -> "ServerProcess":
+        stderr = subprocess.DEVNULL
+        if self.stderr_path:
+            self._stderr_file = open(self.stderr_path, "ab")
+            stderr = self._stderr_file
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=self.env)
+        try:
+            wait_for_port(self.host, self.port, timeout, self.proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        self._close_log()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the server can tell."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._stderr_file is not None:
+            self._stderr_file.close()
+            self._stderr_file = None
+
+    def __enter__(self) -> "ServerProcess":
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def broker_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (), **kw) -> ServerProcess:
+    """Our broker (`python -m broker`) as a child process; call .start()."""
+    port = port or free_port(host)
+    argv = [sys.executable, "-m", "broker", "-l", host, "-p", str(port), *extra_args]
+    return ServerProcess(argv=argv, host=host, port=port, **kw)
+
+
+def beanstalkd_binary() -> str | None:
+    """Path of the real beanstalkd, if installed."""
+    return shutil.which("beanstalkd") or (os.path.exists("/usr/bin/beanstalkd") and "/usr/bin/beanstalkd") or None
+
+
+def beanstalkd_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (), **kw) -> ServerProcess:
+    """Real beanstalkd 1.12 as a child process; call .start()."""
+    binary = beanstalkd_binary()
+    if binary is None:
+        raise RuntimeError("beanstalkd is not installed (apt-get install -y beanstalkd)")
+    port = port or free_port(host)
+    argv = [binary, "-l", host, "-p", str(port), *extra_args]
+    return ServerProcess(argv=argv, host=host, port=port, **kw)
+
+
+def start_server(kind: str, **kw) -> ServerProcess:
+    """kind is 'ours' or 'beanstalkd'."""
+    factory = {"ours": broker_process, "beanstalkd": beanstalkd_process}[kind]
+    return factory(**kw).start()

@@ -1,0 +1,82 @@
+"""Shared fixtures: real server processes on free ports, one SparkSession per session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from spark_beanstalk.client import Connection
+from spark_beanstalk.embedded import ServerProcess, beanstalkd_process, broker_process
+
+SERVER_KINDS = ("ours", "beanstalkd")
+
+
+def _start(kind: str, extra_args=()) -> ServerProcess:
+    factory = broker_process if kind == "ours" else beanstalkd_process
+    return factory(extra_args=list(extra_args)).start()
+
+
+@pytest.fixture
+def broker():
+    """A fresh process of our broker on 127.0.0.1:<free port>."""
+    proc = _start("ours")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def beanstalkd():
+    """A fresh real beanstalkd 1.12 on 127.0.0.1:<free port>."""
+    proc = _start("beanstalkd")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(params=SERVER_KINDS)
+def server(request):
+    """Each test using this runs twice: against our broker and against beanstalkd 1.12."""
+    proc = _start(request.param)
+    proc.kind = request.param
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def server_factory():
+    """Start extra servers inside a test: server_factory('ours', extra_args=[...])."""
+    started: list[ServerProcess] = []
+
+    def make(kind: str, extra_args=()) -> ServerProcess:
+        proc = _start(kind, extra_args)
+        proc.kind = kind
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def conn_factory():
+    """Open client connections to a ServerProcess; all are closed after the test."""
+    opened: list[Connection] = []
+
+    def make(proc: ServerProcess, timeout: float = 10.0) -> Connection:
+        conn = Connection(proc.host, proc.port, timeout=timeout)
+        opened.append(conn)
+        return conn
+
+    yield make
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for the whole test session (starting Spark costs seconds)."""
+    from spark_beanstalk.session import get_spark
+
+    session = get_spark("spark-beanstalk-tests")
+    yield session
+    session.stop()

@@ -11,9 +11,16 @@ def main() -> None:
 
 
 def _register_subcommands() -> None:
-    from broker.cli import broker_command
+    from spark_beanstalk import ops
 
-    main.add_command(broker_command, name="broker")
+    ops.register(main)
+    try:
+        from broker.cli import broker_command
+    except ModuleNotFoundError as exc:  # only while broker/cli.py is not written yet
+        if exc.name != "broker.cli":
+            raise
+    else:
+        main.add_command(broker_command, name="broker")
 
 
 _register_subcommands()

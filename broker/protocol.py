@@ -1,0 +1,406 @@
+"""The beanstalkd 1.12 wire codec: bytes in, commands out; reply constants out.
+
+No sockets and no queue state here. :class:`Decoder` turns a client's byte stream into
+command tuples exactly as beanstalkd 1.12 reads it, quirks included, because clients
+(and our differential tests) see them:
+
+* Commands are recognised by prefix, in beanstalkd's order, so ``reservex`` is a
+  malformed ``reserve`` (BAD_FORMAT), not an unknown command.
+* A command line must fit beanstalkd's 224-byte line buffer including CRLF. Only the
+  first CR in that window counts: if it is not followed by LF the line can never end,
+  and once the window is full the input is discarded up to the next CRLF, which is
+  answered with BAD_FORMAT.
+* Numbers follow C's strtoul/strtol rules where beanstalkd uses them (``kick``,
+  ``reserve-with-timeout``: leading white space and a sign accepted, trailing garbage
+  ignored) and its stricter read_u32/read_u64 elsewhere.
+* A put whose body does not end in CRLF costs a job id and is answered
+  EXPECTED_CRLF; the bytes after the body are read as the next command.
+
+Each command is a tuple whose first item is the command name (interned str); see
+:meth:`Decoder.next_command` for the shapes.
+"""
+from __future__ import annotations
+
+LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
+MAX_TUBE_NAME = 200
+DEFAULT_MAX_JOB_SIZE = 65535
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+ULONG_MAX = 2**64 - 1
+LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
+
+NAME_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()")
+C_SPACE = b" \t\n\v\f\r"
+
+# Replies (constants; formatted ones are built where used).
+BAD_FORMAT = b"BAD_FORMAT\r\n"
+UNKNOWN_COMMAND = b"UNKNOWN_COMMAND\r\n"
+EXPECTED_CRLF = b"EXPECTED_CRLF\r\n"
+JOB_TOO_BIG = b"JOB_TOO_BIG\r\n"
+OUT_OF_MEMORY = b"OUT_OF_MEMORY\r\n"
+INTERNAL_ERROR = b"INTERNAL_ERROR\r\n"
+DRAINING = b"DRAINING\r\n"
+NOT_FOUND = b"NOT_FOUND\r\n"
+DELETED = b"DELETED\r\n"
+RELEASED = b"RELEASED\r\n"
+BURIED = b"BURIED\r\n"
+KICKED = b"KICKED\r\n"
+TOUCHED = b"TOUCHED\r\n"
+PAUSED = b"PAUSED\r\n"
+NOT_IGNORED = b"NOT_IGNORED\r\n"
+TIMED_OUT = b"TIMED_OUT\r\n"
+DEADLINE_SOON = b"DEADLINE_SOON\r\n"
+
+# Command words in the order beanstalkd's which_cmd() tests them (prefix match).
+_PREFIXES: tuple[tuple[bytes, str], ...] = (
+    (b"put ", "put"),
+    (b"peek ", "peek"),
+    (b"peek-ready", "peek-ready"),
+    (b"peek-delayed", "peek-delayed"),
+    (b"peek-buried", "peek-buried"),
+    (b"reserve-with-timeout ", "reserve-with-timeout"),
+    (b"reserve-job ", "reserve-job"),
+    (b"reserve", "reserve"),
+    (b"delete ", "delete"),
+    (b"release ", "release"),
+    (b"bury ", "bury"),
+    (b"kick ", "kick"),
+    (b"kick-job ", "kick-job"),
+    (b"touch ", "touch"),
+    (b"stats-job ", "stats-job"),
+    (b"stats-tube ", "stats-tube"),
+    (b"stats", "stats"),
+    (b"use ", "use"),
+    (b"watch ", "watch"),
+    (b"ignore ", "ignore"),
+    (b"list-tubes-watched", "list-tubes-watched"),
+    (b"list-tube-used", "list-tube-used"),
+    (b"list-tubes", "list-tubes"),
+    (b"quit", "quit"),
+    (b"pause-tube", "pause-tube"),
+)
+# Fast path: the first word of a well-formed line -> command name.
+_EXACT_WORDS = {prefix.strip(): name for prefix, name in _PREFIXES}
+# Commands whose line must be exactly the word (no arguments).
+_BARE = frozenset({"peek-ready", "peek-delayed", "peek-buried", "reserve", "stats",
+                   "list-tubes-watched", "list-tube-used", "list-tubes"})
+_ID_ONLY = frozenset({"peek", "reserve-job", "delete", "kick-job", "touch", "stats-job"})
+_NAME_ONLY = frozenset({"stats-tube", "use", "watch", "ignore"})
+
+
+class ParseError(Exception):
+    """A malformed command line; ``counted`` names the stats counter beanstalkd still bumps."""
+
+    def __init__(self, reply: bytes, counted: str | None = None) -> None:
+        self.reply = reply
+        self.counted = counted
+
+
+def classify(line: bytes) -> str | None:
+    """The command a line starts with, by beanstalkd's prefix rules (None if unknown)."""
+    for prefix, name in _PREFIXES:
+        if line.startswith(prefix):
+            return name
+    return None
+
+
+def _skip_spaces(line: bytes, pos: int) -> int:
+    n = len(line)
+    while pos < n and line[pos] == 32:
+        pos += 1
+    return pos
+
+
+def read_uint(line: bytes, pos: int, limit: int, to_end: bool) -> tuple[int, int]:
+    """beanstalkd's read_u32/read_u64: spaces, then digits only; returns (value, end)."""
+    pos = _skip_spaces(line, pos)
+    start = pos
+    n = len(line)
+    while pos < n and 48 <= line[pos] <= 57:
+        pos += 1
+    if pos == start:
+        raise ParseError(BAD_FORMAT)
+    value = int(line[start:pos])
+    if value > limit or value > U64_MAX:  # strtoumax's ERANGE, then the width check
+        raise ParseError(BAD_FORMAT)
+    if to_end and pos != n:
+        raise ParseError(BAD_FORMAT)
+    return value, pos
+
+
+def _c_strtol(text: bytes) -> tuple[int | None, bool]:
+    """C strtol/strtoul prefix parse: (value or None if no digits, overflowed)."""
+    pos = 0
+    n = len(text)
+    while pos < n and text[pos] in C_SPACE:
+        pos += 1
+    negative = False
+    if pos < n and text[pos] in b"+-":
+        negative = text[pos] == 45
+        pos += 1
+    start = pos
+    while pos < n and 48 <= text[pos] <= 57:
+        pos += 1
+    if pos == start:
+        return None, False
+    value = int(text[start:pos])
+    return (-value if negative else value), False
+
+
+def parse_strtoul_u32(text: bytes) -> int:
+    """kick's count: strtoul, then stored in a 32-bit unsigned int."""
+    value, _ = _c_strtol(text)
+    if value is None:
+        raise ParseError(BAD_FORMAT)
+    magnitude = abs(value)
+    if magnitude > ULONG_MAX:
+        raise ParseError(BAD_FORMAT)
+    if value < 0:
+        value = (ULONG_MAX + 1 - magnitude) & ULONG_MAX
+    return value & U32_MAX
+
+
+def parse_strtol_int(text: bytes) -> int:
+    """reserve-with-timeout's seconds: strtol (no digits means 0), then a C int."""
+    value, _ = _c_strtol(text)
+    if value is None:
+        return 0
+    if not LONG_MIN <= value <= LONG_MAX:
+        raise ParseError(BAD_FORMAT)
+    value &= 0xFFFFFFFF
+    return value - 2**32 if value >= 2**31 else value
+
+
+def valid_tube_name(name: bytes) -> bool:
+    return 0 < len(name) <= MAX_TUBE_NAME and name[0] != 45 and all(c in NAME_CHARS for c in name)
+
+
+def _name_arg(line: bytes, start: int) -> str:
+    name = line[start:]
+    if not valid_tube_name(name):
+        raise ParseError(BAD_FORMAT)
+    return name.decode("ascii")
+
+
+def parse_line(line: bytes, max_job_size: int) -> tuple:
+    """Parse one command line (without CRLF) into a command tuple; raises ParseError."""
+    if b"\x00" in line:
+        raise ParseError(BAD_FORMAT)
+    # Fast path for the common, well-formed shapes.
+    space = line.find(b" ")
+    word = line if space < 0 else line[:space]
+    name = _EXACT_WORDS.get(word)
+    if name is None or (space < 0 and name not in _BARE and name != "quit"):
+        name = classify(line)
+        if name is None:
+            raise ParseError(UNKNOWN_COMMAND)
+    if name in _ID_ONLY:
+        job_id, _ = read_uint(line, len(name) + 1, U64_MAX, True)
+        return (name, job_id)
+    if name in _BARE:
+        if len(line) != len(name):
+            raise ParseError(BAD_FORMAT)
+        return (name,)
+    if name == "put":
+        return _parse_put(line, max_job_size)
+    if name in _NAME_ONLY:
+        return (name, _name_arg(line, len(name) + 1))
+    if name == "release":
+        job_id, pos = read_uint(line, 8, U64_MAX, False)
+        pri, pos = read_uint(line, pos, U32_MAX, False)
+        delay, _ = read_uint(line, pos, U32_MAX, True)
+        return (name, job_id, pri, delay)
+    if name == "bury":
+        job_id, pos = read_uint(line, 5, U64_MAX, False)
+        pri, _ = read_uint(line, pos, U32_MAX, True)
+        return (name, job_id, pri)
+    if name == "reserve-with-timeout":
+        return (name, parse_strtol_int(line[21:]))
+    if name == "kick":
+        return (name, parse_strtoul_u32(line[5:]))
+    if name == "quit":
+        return (name,)
+    if name == "pause-tube":
+        return _parse_pause(line)
+    raise ParseError(UNKNOWN_COMMAND)  # pragma: no cover - every name is handled above
+
+
+class TooBig(Exception):
+    """A put whose declared size exceeds the limit: its body must be skipped."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+
+
+def _parse_put(line: bytes, max_job_size: int) -> tuple:
+    pri, pos = read_uint(line, 4, U32_MAX, False)
+    delay, pos = read_uint(line, pos, U32_MAX, False)
+    ttr, pos = read_uint(line, pos, U32_MAX, False)
+    size, pos = read_uint(line, pos, U32_MAX, False)
+    if size > max_job_size:
+        raise TooBig(size + 2)
+    if pos != len(line):
+        raise ParseError(BAD_FORMAT, counted="put")
+    return ("put", pri, delay, ttr or 1, size)
+
+
+def _parse_pause(line: bytes) -> tuple:
+    pos = _skip_spaces(line, 10)
+    end = pos
+    n = len(line)
+    while end < n and line[end] in NAME_CHARS:
+        end += 1
+    if end == pos:
+        raise ParseError(BAD_FORMAT)
+    delay, _ = read_uint(line, end, U32_MAX, True)
+    name = line[pos:end]
+    if len(name) > MAX_TUBE_NAME or name[0] == 45:
+        raise ParseError(BAD_FORMAT, counted="pause-tube")
+    return ("pause-tube", name.decode("ascii"), delay)
+
+
+# Decoder modes
+_LINE, _ENDLINE, _BODY, _SKIP = range(4)
+
+
+class Decoder:
+    """Incremental decoder for one connection's input.
+
+    ``feed(data)`` appends bytes; ``next_command()`` returns the next complete item or
+    None when more input is needed. Items:
+
+    * ``(name, *args)``: a parsed command (``put`` comes as
+      ``("put", pri, delay, ttr, body)``; ``body`` is None when the trailing CRLF was
+      wrong, which is answered EXPECTED_CRLF but still costs an id);
+    * ``("put-header", pri, delay, ttr, size)``: a put line whose body has not fully
+      arrived yet (beanstalkd assigns the id at this moment); the matching ``put``
+      follows with ``size=-1`` in place of the ttr-following slot;
+    * ``("error", reply, counted)``: answer ``reply``; ``counted`` is the command
+      whose stats counter beanstalkd still increments, or None;
+    * ``("too-big",)``: a put over the size limit was parsed (counted as a put); its
+      ``("error", JOB_TOO_BIG, None)`` comes once the body has been skipped.
+    """
+
+    __slots__ = ("buf", "pos", "max_job_size", "mode", "need", "pending", "header_sent")
+
+    def __init__(self, max_job_size: int = DEFAULT_MAX_JOB_SIZE) -> None:
+        self.buf = bytearray()
+        self.pos = 0
+        self.max_job_size = max_job_size
+        self.mode = _LINE
+        self.need = 0
+        self.pending: tuple | None = None
+        self.header_sent = False
+
+    def feed(self, data: bytes) -> None:
+        buf = self.buf
+        if self.pos and self.pos == len(buf):
+            buf.clear()
+            self.pos = 0
+        elif self.pos > 65536 and self.pos * 2 > len(buf):
+            del buf[: self.pos]
+            self.pos = 0
+        buf += data
+
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed."""
+        return len(self.buf) - self.pos
+
+    def next_command(self) -> tuple | None:
+        mode = self.mode
+        if mode == _LINE:
+            return self._next_line()
+        if mode == _BODY:
+            return self._next_body()
+        if mode == _SKIP:
+            return self._next_skip()
+        return self._next_endline()
+
+    def _find_line_end(self, start: int, window_end: int) -> int:
+        """Index of the CR ending a line in buf[start:window_end], -1 if none can end there.
+
+        beanstalkd looks only at the first CR of its window; -2 means that CR is not
+        followed by LF, so no line can end in this window.
+        """
+        buf = self.buf
+        cr = buf.find(b"\r", start, window_end - 1) if window_end - start >= 2 else -1
+        if cr < 0:
+            return -1
+        return cr if buf[cr + 1] == 10 else -2
+
+    def _next_line(self) -> tuple | None:
+        buf = self.buf
+        start = self.pos
+        avail = len(buf) - start
+        if avail <= 0:
+            return None
+        window_end = start + (avail if avail < LINE_LIMIT else LINE_LIMIT)
+        cr = self._find_line_end(start, window_end)
+        if cr < 0:
+            if window_end - start >= LINE_LIMIT:
+                self.pos = window_end  # overflow: discard the window
+                self.mode = _ENDLINE
+                return self._next_endline()
+            return None
+        line = bytes(buf[start:cr])
+        self.pos = cr + 2
+        try:
+            cmd = parse_line(line, self.max_job_size)
+        except ParseError as err:
+            return ("error", err.reply, err.counted)
+        except TooBig as big:
+            self.mode = _SKIP
+            self.need = big.skip
+            return ("too-big",)
+        if cmd[0] == "put":
+            self.pending = cmd
+            self.need = cmd[4] + 2
+            self.header_sent = False
+            self.mode = _BODY
+            return self._next_body()
+        return cmd
+
+    def _next_body(self) -> tuple | None:
+        buf = self.buf
+        start = self.pos
+        need = self.need
+        if len(buf) - start < need:
+            if not self.header_sent:
+                self.header_sent = True
+                _, pri, delay, ttr, size = self.pending
+                return ("put-header", pri, delay, ttr, size)
+            return None
+        end = start + need
+        body = bytes(buf[start:end - 2]) if buf[end - 2:end] == b"\r\n" else None
+        self.pos = end
+        self.mode = _LINE
+        _, pri, delay, ttr, _size = self.pending
+        self.pending = None
+        return ("put", pri, delay, ttr, body, self.header_sent)
+
+    def _next_skip(self) -> tuple | None:
+        take = min(self.need, len(self.buf) - self.pos)
+        self.pos += take
+        self.need -= take
+        if self.need:
+            return None
+        self.mode = _LINE
+        return ("error", JOB_TOO_BIG, None)
+
+    def _next_endline(self) -> tuple | None:
+        # Discarding an over-long line in 224-byte chunks until a chunk holds CRLF.
+        buf = self.buf
+        while True:
+            start = self.pos
+            avail = len(buf) - start
+            if avail <= 0:
+                return None
+            window_end = start + (avail if avail < LINE_LIMIT else LINE_LIMIT)
+            cr = self._find_line_end(start, window_end)
+            if cr >= 0:
+                self.pos = cr + 2
+                self.mode = _LINE
+                return ("error", BAD_FORMAT, None)
+            if window_end - start < LINE_LIMIT:
+                return None
+            self.pos = window_end

@@ -14,6 +14,8 @@ import tomllib
 import click
 
 from broker import protocol as p
+from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
+from broker.security import TlsConfig, load_token
 from broker.server import ServerConfig, install_uvloop, run_server
 
 # TOML key -> click parameter name (both spellings accepted in the file).
@@ -21,6 +23,12 @@ _CONFIG_KEYS = {
     "listen": "listen", "port": "port", "max_job_size": "max_job_size", "verbose": "verbose",
     "binlog_dir": "binlog_dir", "fsync_ms": "fsync_ms", "no_fsync": "no_fsync",
     "binlog_segment_size": "binlog_size",
+    "max_connections": "max_connections", "max_jobs": "max_jobs", "max_job_bytes": "max_job_bytes",
+    "max_tubes": "max_tubes", "max_reserved_per_connection": "max_reserved_per_connection",
+    "idle_timeout": "idle_timeout", "max_output_bytes": "max_output_bytes",
+    "slow_reader_timeout": "slow_reader_timeout",
+    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca", "tls_port": "tls_port",
+    "auth_token_file": "auth_token_file", "metrics": "metrics", "extended_stats": "extended_stats",
 }
 
 
@@ -64,15 +72,70 @@ def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
 @click.option("-F", "--no-fsync", is_flag=True, default=False, help="With -b: never fsync.")
 @click.option("-s", "--binlog-size", type=click.IntRange(1024), default=10485760, show_default=True,
               help="With -b: binlog segment file size in bytes.")
+@click.option("--binlog-ignore-damage", is_flag=True, default=False, expose_value=False,
+              callback=lambda ctx, _param, value: ctx.meta.__setitem__("binlog_ignore_damage", value),
+              help="With -b: start even if the binlog is damaged in the middle, keeping every job that can "
+                   "still be read (damaged files are kept as *.damaged).")
+@click.option("--max-connections", type=click.IntRange(0), default=0,
+              help="Refuse connections beyond this many open ones (0: no limit).")
+@click.option("--max-jobs", type=click.IntRange(0), default=0, help="put answers OUT_OF_MEMORY beyond this many jobs.")
+@click.option("--max-job-bytes", type=click.IntRange(0), default=0,
+              help="put answers OUT_OF_MEMORY beyond this many bytes of job bodies held.")
+@click.option("--max-tubes", type=click.IntRange(0), default=0, help="use/watch of a new tube beyond this many.")
+@click.option("--max-reserved-per-connection", type=click.IntRange(0), default=0,
+              help="Reserves beyond this many jobs held by one connection answer OUT_OF_MEMORY.")
+@click.option("--idle-timeout", type=click.FloatRange(0), default=0.0,
+              help="Close connections silent for this many seconds (not those blocked in reserve).")
+@click.option("--max-output-bytes", type=click.IntRange(1 << 16), default=DEFAULT_MAX_OUTPUT_BYTES,
+              show_default=True, help="Close a connection whose unread replies pass this size.")
+@click.option("--slow-reader-timeout", type=click.FloatRange(0), default=DEFAULT_SLOW_READER_TIMEOUT,
+              show_default=True, help="Close a connection that leaves over 1 MiB of replies unread this long (0: never).")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate (PEM).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key (PEM).")
+@click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False),
+              help="Require client certificates signed by this CA.")
+@click.option("--tls-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve TLS on this second port (default: the main listener speaks TLS).")
+@click.option("--auth-token-file", type=click.Path(exists=True, dir_okay=False),
+              help="Require `auth <token>` first (protocol extension; off by default).")
+@click.option("--metrics", "metrics", metavar="ADDR:PORT", default=None,
+              help="Serve Prometheus metrics at http://ADDR:PORT/metrics.")
+@click.option("--extended-stats", is_flag=True, default=False,
+              help="Add our counters after beanstalkd's stats keys (on when any limit, TLS or auth is set).")
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
-                   fsync_ms: int, no_fsync: bool, binlog_size: int) -> None:
+                   fsync_ms: int, no_fsync: bool, binlog_size: int, max_connections: int, max_jobs: int,
+                   max_job_bytes: int, max_tubes: int, max_reserved_per_connection: int, idle_timeout: float,
+                   max_output_bytes: int, slow_reader_timeout: float, tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
+                   tls_port: int | None, auth_token_file: str | None, metrics: str | None,
+                   extended_stats: bool) -> None:
     """Run the beanstalkd-compatible work-queue broker."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     listener = None
     if binlog_dir is not None:
         listener = _open_binlog(binlog_dir, fsync_ms, no_fsync, binlog_size)
-    config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose)
+    limits = Limits(max_connections=max_connections, max_jobs=max_jobs, max_job_bytes=max_job_bytes,
+                    max_tubes=max_tubes, max_reserved_per_connection=max_reserved_per_connection,
+                    idle_timeout=idle_timeout, max_output_bytes=max_output_bytes,
+                    slow_reader_timeout=slow_reader_timeout)
+    tls = None
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise click.UsageError("--tls-cert and --tls-key go together")
+        tls = TlsConfig(cert=tls_cert, key=tls_key, client_ca=tls_client_ca, port=tls_port)
+    elif tls_client_ca or tls_port is not None:
+        raise click.UsageError("--tls-client-ca and --tls-port need --tls-cert and --tls-key")
+    token = None
+    if auth_token_file:
+        try:
+            token = load_token(auth_token_file)
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"--auth-token-file: {exc}") from None
+    if metrics is not None and (":" not in metrics or not metrics.rpartition(":")[2].isdigit()):
+        raise click.UsageError(f"--metrics takes ADDR:PORT, not {metrics!r}")
+    hardened = limits != Limits() or tls is not None or token is not None or metrics is not None
+    config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose, limits=limits,
+                          tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened)
     install_uvloop()
 
     def ready(server) -> None:
@@ -87,12 +150,17 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
 
 def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int):
     try:
-        from broker.binlog import open_binlog  # filled in by the persistence work
+        from broker.binlog import BinlogError, open_binlog
     except ImportError:
         raise click.ClickException(
             "-b/--binlog-dir: persistence is not available in this build yet; run without -b"
         ) from None
-    return open_binlog(directory, fsync_ms=None if no_fsync else fsync_ms, segment_size=segment_size)
+    ignore_damage = click.get_current_context().meta.get("binlog_ignore_damage", False)
+    try:
+        return open_binlog(directory, fsync_ms=None if no_fsync else fsync_ms, segment_size=segment_size,
+                           ignore_damage=ignore_damage)
+    except BinlogError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

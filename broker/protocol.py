@@ -182,18 +182,58 @@ def _name_arg(line: bytes, start: int) -> str:
     return name.decode("ascii")
 
 
+def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> tuple | None:
+    """Well-formed lines (single spaces, plain digits) parsed without the character loops.
+
+    Returns None when the line is not in canonical form; the exact parser then decides.
+    """
+    n = len(parts)
+    if name == "put":
+        if n == 5 and parts[1].isdigit() and parts[2].isdigit() and parts[3].isdigit() and parts[4].isdigit():
+            pri, delay, ttr, size = int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4])
+            if pri <= U32_MAX and delay <= U32_MAX and ttr <= U32_MAX and size <= U32_MAX:
+                if size > max_job_size:
+                    raise TooBig(size + 2)
+                return ("put", pri, delay, ttr, size)
+        return None
+    if name in _ID_ONLY:
+        if n == 2 and parts[1].isdigit():
+            value = int(parts[1])
+            if value <= U64_MAX:
+                return (name, value)
+        return None
+    if name in _BARE:
+        return (name,) if n == 1 else None
+    if name in _NAME_ONLY:
+        if n == 2 and valid_tube_name(parts[1]):
+            return (name, parts[1].decode("ascii"))
+        return None
+    if name == "release":
+        if n == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3].isdigit():
+            job_id, pri, delay = int(parts[1]), int(parts[2]), int(parts[3])
+            if job_id <= U64_MAX and pri <= U32_MAX and delay <= U32_MAX:
+                return (name, job_id, pri, delay)
+        return None
+    if name == "reserve-with-timeout":
+        if n == 2 and parts[1].isdigit() and len(parts[1]) < 10:
+            return (name, int(parts[1]))
+        return None
+    return None
+
+
 def parse_line(line: bytes, max_job_size: int) -> tuple:
     """Parse one command line (without CRLF) into a command tuple; raises ParseError."""
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
-    # Fast path for the common, well-formed shapes.
-    space = line.find(b" ")
-    word = line if space < 0 else line[:space]
-    name = _EXACT_WORDS.get(word)
-    if name is None or (space < 0 and name not in _BARE and name != "quit"):
-        name = classify(line)
-        if name is None:
-            raise ParseError(UNKNOWN_COMMAND)
+    parts = line.split(b" ")
+    name = _EXACT_WORDS.get(parts[0])
+    if name is not None:
+        cmd = _fast_parse(parts, name, max_job_size)
+        if cmd is not None:
+            return cmd
+    name = classify(line)
+    if name is None:
+        raise ParseError(UNKNOWN_COMMAND)
     if name in _ID_ONLY:
         job_id, _ = read_uint(line, len(name) + 1, U64_MAX, True)
         return (name, job_id)
@@ -241,7 +281,7 @@ def _parse_put(line: bytes, max_job_size: int) -> tuple:
         raise TooBig(size + 2)
     if pos != len(line):
         raise ParseError(BAD_FORMAT, counted="put")
-    return ("put", pri, delay, ttr or 1, size)
+    return ("put", pri, delay, ttr, size)
 
 
 def _parse_pause(line: bytes) -> tuple:
@@ -281,9 +321,10 @@ class Decoder:
       ``("error", JOB_TOO_BIG, None)`` comes once the body has been skipped.
     """
 
-    __slots__ = ("buf", "pos", "max_job_size", "mode", "need", "pending", "header_sent")
+    __slots__ = ("buf", "pos", "max_job_size", "mode", "need", "pending", "header_sent", "auth_enabled")
 
-    def __init__(self, max_job_size: int = DEFAULT_MAX_JOB_SIZE) -> None:
+    def __init__(self, max_job_size: int = DEFAULT_MAX_JOB_SIZE, auth_enabled: bool = False) -> None:
+        self.auth_enabled = auth_enabled  # the `auth <token>` extension (broker.security)
         self.buf = bytearray()
         self.pos = 0
         self.max_job_size = max_job_size
@@ -335,8 +376,8 @@ class Decoder:
         if avail <= 0:
             return None
         window_end = start + (avail if avail < LINE_LIMIT else LINE_LIMIT)
-        cr = self._find_line_end(start, window_end)
-        if cr < 0:
+        cr = buf.find(b"\r", start, window_end - 1)
+        if cr < 0 or buf[cr + 1] != 10:
             if window_end - start >= LINE_LIMIT:
                 self.pos = window_end  # overflow: discard the window
                 self.mode = _ENDLINE
@@ -344,6 +385,8 @@ class Decoder:
             return None
         line = bytes(buf[start:cr])
         self.pos = cr + 2
+        if self.auth_enabled and line.startswith(b"auth "):
+            return ("auth", line[5:])
         try:
             cmd = parse_line(line, self.max_job_size)
         except ParseError as err:
@@ -353,6 +396,12 @@ class Decoder:
             self.need = big.skip
             return ("too-big",)
         if cmd[0] == "put":
+            body_start = cr + 2
+            end = body_start + cmd[4] + 2
+            if len(buf) >= end:  # the whole body is here already: the common case
+                self.pos = end
+                body = bytes(buf[body_start:end - 2]) if buf[end - 2] == 13 and buf[end - 1] == 10 else None
+                return ("put", cmd[1], cmd[2], cmd[3], body, False)
             self.pending = cmd
             self.need = cmd[4] + 2
             self.header_sent = False

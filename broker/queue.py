@@ -24,6 +24,7 @@ import socket
 from typing import Callable, Iterable
 
 from broker import protocol as p
+from broker.limits import Limits, Refusals
 from broker.timers import CLIENT_TICK, DELAYED_READY, TTR_EXPIRY, TUBE_UNPAUSE, TimerHeap
 
 NS = 1_000_000_000
@@ -56,8 +57,17 @@ class QueueListener:
         """A job is gone for good."""
 
     def stats(self) -> dict[str, int]:
-        """binlog-* stats values."""
+        """binlog-* stats values: oldest-index, current-index, records-migrated, records-written, max-size."""
         return {}
+
+    def recover(self, queue: "Queue") -> None:
+        """At start, before serving: put every logged job back (see Queue.restore_job)."""
+
+    def sync_point(self) -> None:
+        """Called before replies that acknowledge changes are written (fsync here for -f 0)."""
+
+    def close(self) -> None:
+        """Clean shutdown: flush and fsync."""
 
 
 class SwapSet:
@@ -231,8 +241,12 @@ class Queue:
     """All broker state. Command methods take the client and parsed arguments, return a reply."""
 
     def __init__(self, clock: Callable[[], int], max_job_size: int = p.DEFAULT_MAX_JOB_SIZE,
-                 listener: QueueListener | None = None, binlog_max_size: int = 10485760) -> None:
+                 listener: QueueListener | None = None, binlog_max_size: int = 10485760,
+                 limits: Limits | None = None) -> None:
         self.clock = clock
+        self.limits = limits or Limits()
+        self.refusals = Refusals()
+        self.held_bytes = 0  # total size of the bodies held
         self.max_job_size = max_job_size
         self.listener = listener or QueueListener()
         self.binlog_max_size = binlog_max_size
@@ -268,6 +282,17 @@ class Queue:
         self.default_tube.refs += 1  # the server's own reference: default never goes away
 
     # -- tubes -------------------------------------------------------------------
+    def _tube_for_client(self, client: Client, name: str) -> Tube | None:
+        """use/watch: find or make the tube, unless that would pass --max-tubes."""
+        tube = self.tube_by_name.get(name)
+        if tube is None:
+            cap = self.limits.max_tubes
+            if cap and len(self.tubes) >= cap:
+                self.refusals.refuse("tubes", client.peer, f"{len(self.tubes)} tubes exist")
+                return None
+            tube = self._tube(name)
+        return tube
+
     def _tube(self, name: str) -> Tube:
         tube = self.tube_by_name.get(name)
         if tube is None:
@@ -552,15 +577,23 @@ class Queue:
             return p.EXPECTED_CRLF
         if self.draining:
             return p.DRAINING
+        limits = self.limits
+        if limits.max_jobs and len(self.jobs) >= limits.max_jobs:
+            self.refusals.refuse("jobs", client.peer, f"{len(self.jobs)} jobs held")
+            return p.OUT_OF_MEMORY
+        if limits.max_job_bytes and self.held_bytes + len(body) > limits.max_job_bytes:
+            self.refusals.refuse("job_bytes", client.peer, f"{self.held_bytes} body bytes held")
+            return p.OUT_OF_MEMORY
         now = self.clock()
         tube = client.use
-        job = Job(job_id, tube, pri, delay * NS, ttr * NS, body, now)
+        job = Job(job_id, tube, pri, delay * NS, (ttr or 1) * NS, body, now)  # TTR 0 means 1 s
         try:
             self.listener.job_put(job)
         except StorageFull:
             return p.OUT_OF_MEMORY
         tube.refs += 1
         self.jobs[job_id] = job
+        self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1
         self._enqueue(job, job.delay, now)
@@ -570,6 +603,8 @@ class Queue:
         """Reserve for this client; None means it now waits (the reply comes via deliver)."""
         if not client.worker:
             self._set_worker(client)
+        if self._reserve_refused(client):
+            return p.OUT_OF_MEMORY
         now = self.clock()
         if client.reserved and self._deadline_soon(client, now) and not self._client_ready(client):
             return p.DEADLINE_SOON
@@ -586,6 +621,13 @@ class Queue:
             return None
         self._schedule_tick(client, now)
         return None
+
+    def _reserve_refused(self, client: Client) -> bool:
+        cap = self.limits.max_reserved_per_connection
+        if cap and len(client.reserved) >= cap:
+            self.refusals.refuse("reserves", client.peer, f"holds {len(client.reserved)} jobs")
+            return True
+        return False
 
     def _client_ready(self, client: Client) -> bool:
         for tube in client.watch.items:
@@ -627,6 +669,8 @@ class Queue:
         job = self.jobs.get(job_id)
         if job is None or job.state == RESERVED or job.state == INVALID:
             return p.NOT_FOUND
+        if self._reserve_refused(client):
+            return p.OUT_OF_MEMORY
         if job.state == READY:
             self._remove_ready(job)
         elif job.state == BURIED:
@@ -658,6 +702,7 @@ class Queue:
         tube.total_deletes += 1
         job.state = INVALID
         del self.jobs[job_id]
+        self.held_bytes -= len(job.body)
         self.listener.job_deleted(job)
         self._unref(tube)
         return p.DELETED
@@ -742,7 +787,9 @@ class Queue:
         return job_reply(b"FOUND", next(iter(buried.values()))) if buried else p.NOT_FOUND
 
     def use(self, client: Client, name: str) -> bytes:
-        tube = self._tube(name)
+        tube = self._tube_for_client(client, name)
+        if tube is None:
+            return p.OUT_OF_MEMORY
         tube.refs += 1
         old = client.use
         old.using -= 1
@@ -752,7 +799,9 @@ class Queue:
         return b"USING %s\r\n" % name.encode()
 
     def watch(self, client: Client, name: str) -> bytes:
-        tube = self._tube(name)
+        tube = self._tube_for_client(client, name)
+        if tube is None:
+            return p.OUT_OF_MEMORY
         if tube not in client.watch:
             client.watch.append(tube)
             tube.refs += 1
@@ -893,6 +942,7 @@ class Queue:
         job.file = file
         tube.refs += 1
         self.jobs[job_id] = job
+        self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1
         if job_id >= self.next_id:

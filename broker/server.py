@@ -10,6 +10,7 @@ deadline.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from broker import protocol as p
-from broker.queue import Client, Queue, QueueListener
+from broker import security
+from broker.limits import OUTPUT_HIGH_WATER, Limits
+from broker.queue import Queue, QueueListener
 
 log = logging.getLogger("broker")
 
@@ -58,14 +61,19 @@ class ServerConfig:
     port: int = 11300
     max_job_size: int = p.DEFAULT_MAX_JOB_SIZE
     verbose: int = 0
-    extra: dict = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+    tls: security.TlsConfig | None = None
+    auth_token: bytes | None = None
+    metrics: str | None = None  # "addr:port" of the Prometheus endpoint
+    extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
 
 
 class BrokerConnection(asyncio.Protocol):
     """One client connection."""
 
     __slots__ = ("server", "queue", "transport", "client", "decoder", "out", "busy", "eof",
-                 "closing", "paused")
+                 "closing", "paused", "write_paused", "refused", "authed", "auth_failures",
+                 "activity", "idle_sweeps", "peer", "stall_timer")
 
     def __init__(self, server: "BrokerServer") -> None:
         self.server = server
@@ -75,19 +83,39 @@ class BrokerConnection(asyncio.Protocol):
         self.busy = False
         self.eof = False
         self.closing = False
-        self.paused = False
-        self.decoder = p.Decoder(server.config.max_job_size)
+        self.paused = False  # reading paused: input piled up behind a blocked reserve
+        self.write_paused = False  # the client is not reading its replies
+        self.refused = False
+        self.authed = server.config.auth_token is None
+        self.auth_failures = 0
+        self.activity = 0  # bumped on input; the idle sweep compares it between sweeps
+        self.idle_sweeps = 0
+        self.peer = "?"
+        self.stall_timer: asyncio.TimerHandle | None = None
+        self.decoder = p.Decoder(server.config.max_job_size, auth_enabled=not self.authed)
 
     # -- asyncio callbacks ------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         peer = transport.get_extra_info("peername")
-        self.client = self.queue.connect(self._deliver, str(peer) if peer else "unix")
+        self.peer = _format_peer(peer)
+        limits = self.server.config.limits
+        if limits.max_connections and self.queue.cur_conns >= limits.max_connections:
+            self.refused = True
+            self.closing = True
+            self.queue.refusals.refuse("connections", self.peer, f"{self.queue.cur_conns} open")
+            transport.close()
+            return
+        transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)
+        self.client = self.queue.connect(self._deliver, self.peer)
         self.server.connections.add(self)
         if self.server.config.verbose:
-            log.info("accept %s", self.client.peer)
+            log.info("accept %s", self.peer)
 
     def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.activity += 1
         self.decoder.feed(data)
         if self.client.waiting:
             if self.decoder.buffered() > _MAX_BUFFER_WHILE_WAITING and not self.paused:
@@ -98,21 +126,58 @@ class BrokerConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._process()
-        self._close()
+        if not self.closing:
+            self._process()
+            if not self.client.waiting or self.closing:
+                self._close()
         return True
 
     def connection_lost(self, exc) -> None:
         self.closing = True
+        if self.refused:
+            return
         self.server.connections.discard(self)
         self.queue.disconnect(self.client)
+        self.client.deliver = _discard  # break the client <-> connection cycle
         self.server.reschedule()
         if self.server.config.verbose:
-            log.info("close %s", self.client.peer)
+            log.info("close %s", self.peer)
+
+    def pause_writing(self) -> None:
+        """The client stopped reading: stop reading its commands until it catches up.
+
+        If it has not caught up after --slow-reader-timeout, close it (its reservations
+        go back to ready); a rare event, so one timer handle per stalled connection.
+        """
+        self.write_paused = True
+        if not self.paused:
+            self.transport.pause_reading()
+        timeout = self.server.config.limits.slow_reader_timeout
+        if timeout > 0 and self.stall_timer is None:
+            self.stall_timer = asyncio.get_running_loop().call_later(timeout, self._stalled)
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.write_paused and not self.closing:
+            self.queue.refusals.refuse("slow_reader", self.peer, f"{self.transport.get_write_buffer_size()} "
+                                       f"reply bytes unread for {self.server.config.limits.slow_reader_timeout:g}s")
+            self.closing = True
+            self.transport.abort()
+
+    def resume_writing(self) -> None:
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        self.write_paused = False
+        if not self.paused and not self.closing:
+            self.transport.resume_reading()
+            asyncio.get_running_loop().call_soon(self._resume)
 
     # -- command loop ---------------------------------------------------------------
     def _process(self) -> None:
         if self.closing:
+            return
+        if not self.authed and not self._process_unauthenticated():
             return
         queue = self.queue
         client = self.client
@@ -121,8 +186,14 @@ class BrokerConnection(asyncio.Protocol):
         simple = _SIMPLE
         counts = queue.op_counts
         self.busy = True
+        handled = 0
         try:
             while True:
+                handled += 1
+                if not handled & 63:  # write out now and then: bounded output, prompt back-pressure
+                    self._flush()
+                    if self.write_paused or self.closing:
+                        break
                 if client.waiting:
                     if not self.eof:
                         break
@@ -160,6 +231,8 @@ class BrokerConnection(asyncio.Protocol):
                     self._flush()
                     self._close()
                     return
+                elif name == "auth":
+                    out.append(self._check_token(cmd[1]))
         finally:
             self.busy = False
         self._flush()
@@ -171,8 +244,50 @@ class BrokerConnection(asyncio.Protocol):
     def _flush(self) -> None:
         out = self.out
         if out and not self.closing:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            sync = self.server.sync_point
+            if sync is not None:
+                sync()
+            transport = self.transport
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if self.write_paused and transport.get_write_buffer_size() > self.server.config.limits.max_output_bytes:
+                self.queue.refusals.refuse("slow_reader", self.peer,
+                                           f"{transport.get_write_buffer_size()} reply bytes unread")
+                self.closing = True
+                transport.abort()  # connection_lost releases its reservations
         out.clear()
+
+    def _check_token(self, offered: bytes) -> bytes:
+        if security.token_matches(self.server.config.auth_token, offered):
+            self.authed = True
+            return security.AUTH_OK
+        self.auth_failures += 1
+        self.queue.refusals.refuse("auth", self.peer, f"wrong token ({self.auth_failures})")
+        if self.auth_failures >= security.MAX_AUTH_FAILURES:
+            self.out.append(security.UNAUTHORIZED)
+            self._flush()
+            self._close()
+        return security.UNAUTHORIZED
+
+    def _process_unauthenticated(self) -> bool:
+        """Before `auth`: answer UNAUTHORIZED to everything. True once authenticated."""
+        decoder = self.decoder
+        out = self.out
+        while not self.authed and not self.closing:
+            cmd = decoder.next_command()
+            if cmd is None:
+                break
+            name = cmd[0]
+            if name == "auth":
+                reply = self._check_token(cmd[1])
+                if not self.closing:
+                    out.append(reply)
+            elif name == "quit":
+                self._flush()
+                self._close()
+            elif name not in ("put-header", "too-big"):
+                out.append(security.UNAUTHORIZED)
+        self._flush()
+        return self.authed and not self.closing
 
     def _deliver(self, reply: bytes) -> None:
         """A reply produced outside this connection's command loop (woken reserve, timeout)."""
@@ -183,9 +298,9 @@ class BrokerConnection(asyncio.Protocol):
                 asyncio.get_running_loop().call_soon(self._resume)
 
     def _resume(self) -> None:
-        if not self.closing and not self.client.waiting:
+        if not self.closing and not self.client.waiting and not self.write_paused:
             self._process()
-            if self.eof:
+            if self.eof and not self.client.waiting:
                 self._close()
 
     def _close(self) -> None:
@@ -201,27 +316,77 @@ class BrokerServer:
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
         self.clock = clock
-        self.queue = Queue(clock, max_job_size=config.max_job_size, listener=listener)
+        self.queue = Queue(clock, max_job_size=config.max_job_size, listener=listener, limits=config.limits)
+        if config.extended_stats:
+            self.queue.extra_stats = lambda: self.queue.refusals.stats_items(self.queue.held_bytes)
+        self.listener = listener
+        # Called before acknowledging replies go out (binlog fsync with -f 0); None = nothing to do.
+        self.sync_point = listener.sync_point if listener is not None else None
         self.connections: set[BrokerConnection] = set()
         self.servers: list[asyncio.base_events.Server] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.metrics = None
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        listen = self.config.listen
+        loop.set_exception_handler(self._loop_error)
+        config = self.config
+        tls = config.tls
+        tls_ctx = tls.server_context() if tls is not None else None
+        main_ctx = tls_ctx if tls is not None and tls.port is None else None
+        listen = config.listen
+        factory = lambda: BrokerConnection(self)  # noqa: E731
         if listen.startswith("unix:"):
             path = listen[5:]
             if os.path.exists(path):
                 os.unlink(path)
-            server = await self._loop.create_unix_server(lambda: BrokerConnection(self), path)
+            self.servers.append(await loop.create_unix_server(factory, path, ssl=main_ctx))
         else:
-            server = await self._loop.create_server(lambda: BrokerConnection(self), listen, self.config.port,
-                                                    reuse_address=True, backlog=1024)
-        self.servers.append(server)
+            self.servers.append(await loop.create_server(factory, listen, config.port, reuse_address=True,
+                                                         backlog=1024, ssl=main_ctx))
+        if tls is not None and tls.port is not None:
+            host = "127.0.0.1" if listen.startswith("unix:") else listen
+            self.servers.append(await loop.create_server(factory, host, tls.port, reuse_address=True,
+                                                         backlog=1024, ssl=tls_ctx))
+        if config.limits.idle_timeout > 0:
+            self._schedule_idle_sweep()
+        if config.metrics:
+            from broker.metrics import MetricsServer
+
+            self.metrics = MetricsServer(self)
+            await self.metrics.start(config.metrics)
+
+    def _loop_error(self, loop, context: dict) -> None:
+        """Errors the loop could not hand to a connection (accept failures such as EMFILE)."""
+        message = str(context.get("message", ""))
+        exc = context.get("exception")
+        if "accept" in message.lower() or (isinstance(exc, OSError) and exc.errno in (23, 24)):
+            self.queue.refusals.refuse("accept_errors", "listener", f"{message} {exc or ''}".strip())
+            return
+        loop.default_exception_handler(context)
+
+    def _schedule_idle_sweep(self) -> None:
+        interval = max(0.05, self.config.limits.idle_timeout / 4)
+        self._idle_timer = self._loop.call_later(interval, self._idle_sweep, interval)
+
+    def _idle_sweep(self, interval: float) -> None:
+        """Close connections with no input for --idle-timeout (never one blocked in reserve)."""
+        limit = self.config.limits.idle_timeout
+        for conn in list(self.connections):
+            if conn.activity or conn.client.waiting or conn.busy:
+                conn.activity = 0
+                conn.idle_sweeps = 0
+                continue
+            conn.idle_sweeps += 1
+            if conn.idle_sweeps * interval >= limit:
+                self.queue.refusals.refuse("idle", conn.peer, f"silent for {limit:g}s")
+                conn._close()
+        self._schedule_idle_sweep()
 
     def addresses(self) -> list[str]:
         result = []
@@ -272,6 +437,22 @@ class BrokerServer:
             await server.wait_closed()
         if self._timer is not None:
             self._timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.listener is not None:
+            self.listener.close()
+
+
+def _discard(_reply: bytes) -> None:
+    """deliver() of a closed connection."""
+
+
+def _format_peer(peer) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) if peer else "unix"
 
 
 def install_uvloop() -> bool:
@@ -284,9 +465,26 @@ def install_uvloop() -> bool:
     return True
 
 
+def tune_gc() -> None:
+    """Keep the cyclic GC from walking every held job.
+
+    A broker holds up to millions of long-lived, acyclic job objects; the default
+    thresholds make Python re-scan them again and again while a queue fills. The queue
+    breaks its own reference cycles when connections and tubes go away, so collections
+    can be rare: what exists at start is frozen out of the scan, and young-generation
+    collections run only every 50,000 net allocations.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 async def run_server(config: ServerConfig, listener: QueueListener | None = None,
                      on_ready: Callable[[BrokerServer], None] | None = None) -> None:
+    tune_gc()
     server = BrokerServer(config, listener)
+    if listener is not None:
+        listener.recover(server.queue)
     await server.start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, server.request_stop)

@@ -1,0 +1,221 @@
+"""The on-disk record format of the binlog (``-b DIR``): segment header, record framing, record kinds.
+
+A binlog directory holds *segment* files named ``binlog.<index>.sbl`` (index: a decimal,
+strictly increasing integer; beanstalkd's own ``binlog.<n>`` files are never touched), a
+``lock`` file (fcntl lock: one broker per directory, as beanstalkd does) and possibly
+``*.damaged`` files set aside by ``--binlog-ignore-damage``.
+
+All integers are little-endian. Times are wall-clock nanoseconds since the Unix epoch
+(the broker's own clock is monotonic; it is converted on the way in and out, so delays and
+ages keep counting across a restart, as in beanstalkd).
+
+Segment file layout::
+
+    header (40 bytes, SEGMENT_HEADER)
+      magic      8s  b"SBKBLOG\\n"
+      version    H   FORMAT_VERSION (1); a reader refuses versions it does not know
+      hdr_size   H   40 (lets a later version grow the header)
+      index      I   the segment's index (must match its file name)
+      max_id     Q   highest job id ever issued when this segment became current: job ids
+                     stay unique even after every segment that mentioned them is deleted
+      created    q   wall-clock ns when the segment became current
+      crc        I   zlib.crc32 of the 32 bytes above
+      (4 zero bytes)
+    record*
+    zero bytes up to the end of the file (segments are preallocated with posix_fallocate,
+    so a frame whose length is 0 marks the end of the data)
+
+Record framing (FRAME, 8 bytes, then the payload)::
+
+    length   I   payload length in bytes (>= 1)
+    crc      I   zlib.crc32 of the payload
+
+Payload, first byte = kind:
+
+* ``K_JOB`` (1) - a job's full state; written at put, and again when compaction moves a live
+  job forward out of an old segment::
+
+      kind B, id Q, state B, pri I, delay q (ns), ttr q (ns), created q (wall ns),
+      deadline q (wall ns; meaningful for delayed jobs, else 0),
+      reserves I, timeouts I, releases I, buries I, kicks I, tube_len B,
+      tube name (tube_len bytes, ASCII), body (the rest of the payload)
+
+* ``K_UPDATE`` (2) - a state change of a job whose K_JOB record is earlier in the log
+  (release, bury, kick, kick-job, TTR timeout)::
+
+      kind B, id Q, state B, pri I, delay q (ns), deadline q (wall ns),
+      reserves I, timeouts I, releases I, buries I, kicks I
+
+* ``K_DELETE`` (3) - the job is gone for good::
+
+      kind B, id Q
+
+``state`` uses the queue's numbering: 0 ready, 1 delayed, 2 reserved (written only by
+compaction; it is recovered as ready, as beanstalkd does), 3 buried.
+
+Recovery reads the segments in index order and, within a segment, in file order; that
+order is the sequence of the records. For each job id the last K_JOB/K_UPDATE record wins,
+unless a later K_DELETE removes it. A K_UPDATE or K_DELETE whose K_JOB is not in the log
+(it lived in a segment that has been deleted) is ignored.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+MAGIC = b"SBKBLOG\n"
+FORMAT_VERSION = 1
+SEGMENT_PREFIX = "binlog."
+SEGMENT_SUFFIX = ".sbl"
+
+K_JOB = 1
+K_UPDATE = 2
+K_DELETE = 3
+KIND_NAMES = {K_JOB: "job", K_UPDATE: "update", K_DELETE: "delete"}
+
+S_READY, S_DELAYED, S_RESERVED, S_BURIED = 0, 1, 2, 3
+
+SEGMENT_HEADER = struct.Struct("<8sHHIQq")  # + crc I + 4 pad bytes
+HEADER_CRC = struct.Struct("<I4x")
+HEADER_SIZE = SEGMENT_HEADER.size + HEADER_CRC.size  # 40
+
+FRAME = struct.Struct("<II")
+FRAME_SIZE = FRAME.size  # 8
+JOB = struct.Struct("<BQBIqqqqIIIIIB")
+JOB_SIZE = JOB.size  # fixed part of a K_JOB payload; tube name and body follow
+UPDATE = struct.Struct("<BQBIqqIIIII")
+UPDATE_SIZE = UPDATE.size
+DELETE = struct.Struct("<BQ")
+DELETE_SIZE = DELETE.size
+DELETE_RECORD_SIZE = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
+UPDATE_RECORD_SIZE = FRAME_SIZE + UPDATE_SIZE
+MAX_PAYLOAD = (1 << 31) - 1
+
+crc32 = zlib.crc32
+
+
+class FormatError(Exception):
+    """A segment or record does not decode; ``offset`` is where, ``reason`` says why."""
+
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(f"{reason} at offset {offset}")
+        self.offset = offset
+        self.reason = reason
+
+
+def segment_name(index: int) -> str:
+    return f"{SEGMENT_PREFIX}{index}{SEGMENT_SUFFIX}"
+
+
+def parse_segment_name(name: str) -> int | None:
+    """The index of a segment file name, or None if the name is not one of ours."""
+    if not (name.startswith(SEGMENT_PREFIX) and name.endswith(SEGMENT_SUFFIX)):
+        return None
+    digits = name[len(SEGMENT_PREFIX):-len(SEGMENT_SUFFIX)]
+    if not digits.isdigit() or (len(digits) > 1 and digits[0] == "0"):
+        return None
+    return int(digits)
+
+
+def encode_header(index: int, max_id: int, created_wall_ns: int) -> bytes:
+    head = SEGMENT_HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, index, max_id, created_wall_ns)
+    return head + HEADER_CRC.pack(crc32(head))
+
+
+def decode_header(data) -> tuple[int, int, int, int]:
+    """(version, index, max_id, created) of a segment; raises FormatError if it is not valid."""
+    if len(data) < HEADER_SIZE:
+        raise FormatError(0, f"file too short for a segment header ({len(data)} bytes)")
+    magic, version, hdr_size, index, max_id, created = SEGMENT_HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        if bytes(data[:8]) == b"\0" * 8:
+            raise FormatError(0, "segment header is missing (zero bytes)")
+        raise FormatError(0, f"not a spark-beanstalk binlog segment (magic {bytes(magic)!r})")
+    (crc,) = HEADER_CRC.unpack_from(data, SEGMENT_HEADER.size)
+    if crc != crc32(data[:SEGMENT_HEADER.size]):
+        raise FormatError(0, "segment header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise FormatError(0, f"unsupported binlog format version {version} (this broker reads version {FORMAT_VERSION})")
+    if hdr_size < HEADER_SIZE:
+        raise FormatError(0, f"bad header size {hdr_size}")
+    return version, index, max_id, created
+
+
+def encode_job(job_id: int, state: int, pri: int, delay: int, ttr: int, created: int, deadline: int,
+               counters: tuple[int, int, int, int, int], tube: bytes, body: bytes) -> bytes:
+    """A complete K_JOB record (frame included). The broker's hot path inlines this."""
+    head = JOB.pack(K_JOB, job_id, state, pri, delay, ttr, created, deadline, *counters, len(tube))
+    crc = crc32(body, crc32(tube, crc32(head)))
+    return FRAME.pack(JOB_SIZE + len(tube) + len(body), crc) + head + tube + body
+
+
+def encode_update(job_id: int, state: int, pri: int, delay: int, deadline: int,
+                  counters: tuple[int, int, int, int, int]) -> bytes:
+    payload = UPDATE.pack(K_UPDATE, job_id, state, pri, delay, deadline, *counters)
+    return FRAME.pack(UPDATE_SIZE, crc32(payload)) + payload
+
+
+def encode_delete(job_id: int) -> bytes:
+    payload = DELETE.pack(K_DELETE, job_id)
+    return FRAME.pack(DELETE_SIZE, crc32(payload)) + payload
+
+
+def check_record(data, pos: int, end: int) -> int:
+    """Validate the record at ``pos``; return the offset after it. Raises FormatError.
+
+    Returns ``pos`` unchanged at the end of the data (a zero length field, or fewer than 8
+    bytes left that are all zero).
+    """
+    if pos + FRAME_SIZE > end:
+        if not only_zeros(data, pos, end):
+            raise FormatError(pos, "truncated record frame")
+        return pos
+    length, crc = FRAME.unpack_from(data, pos)
+    if length == 0:
+        if crc:
+            raise FormatError(pos, "zero-length record with a nonzero checksum")
+        return pos
+    start = pos + FRAME_SIZE
+    if start + length > end:
+        raise FormatError(pos, f"record length {length} runs past the end of the file")
+    if crc32(data[start:start + length]) != crc:
+        raise FormatError(pos, "record checksum mismatch")
+    kind = data[start]
+    if kind == K_JOB:
+        if length < JOB_SIZE or length < JOB_SIZE + data[start + JOB_SIZE - 1]:
+            raise FormatError(pos, "job record too short")
+    elif kind == K_UPDATE:
+        if length != UPDATE_SIZE:
+            raise FormatError(pos, "update record has the wrong length")
+    elif kind == K_DELETE:
+        if length != DELETE_SIZE:
+            raise FormatError(pos, "delete record has the wrong length")
+    else:
+        raise FormatError(pos, f"unknown record kind {kind}")
+    return start + length
+
+
+def find_next_valid(data, pos: int, end: int) -> int | None:
+    """The offset of the first valid record after ``pos`` (slow: used only on damage)."""
+    unpack = FRAME.unpack_from
+    p = pos + 1
+    while p + FRAME_SIZE < end:
+        length, crc = unpack(data, p)
+        if 1 <= length <= end - p - FRAME_SIZE and data[p + FRAME_SIZE] in (K_JOB, K_UPDATE, K_DELETE):
+            try:
+                if check_record(data, p, end) > p:
+                    return p
+            except FormatError:
+                pass
+        p += 1
+    return None
+
+
+def only_zeros(data, start: int, end: int) -> bool:
+    if start >= end:
+        return True
+    chunk = 1 << 20
+    for p in range(start, end, chunk):
+        if bytes(data[p:min(end, p + chunk)]).strip(b"\0"):
+            return False
+    return True

@@ -1,0 +1,302 @@
+"""The queue state machine alone: no sockets, no asyncio, a clock we move by hand."""
+from __future__ import annotations
+
+import pytest
+
+from broker import protocol as p
+from broker.queue import NS, Queue
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000 * NS
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += int(seconds * NS)
+
+
+class Conn:
+    """A client of the pure queue: collects replies delivered later."""
+
+    def __init__(self, queue: Queue) -> None:
+        self.later: list[bytes] = []
+        self.client = queue.connect(self.later.append)
+        self.queue = queue
+
+    def put(self, body: bytes = b"x", pri: int = 0, delay: int = 0, ttr: int = 60) -> int:
+        reply = self.queue.put(self.client, pri, delay, ttr, body)
+        assert reply.startswith(b"INSERTED "), reply
+        return int(reply.split()[1])
+
+    def reserve(self, timeout: int = -1) -> bytes | None:
+        reply = self.queue.reserve(self.client, timeout)
+        if reply is None and self.later:
+            return self.later.pop(0)
+        return reply
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def queue(clock):
+    return Queue(clock)
+
+
+def job_id(reply: bytes) -> int:
+    return int(reply.split()[1])
+
+
+def test_priority_then_fifo(queue):
+    c = Conn(queue)
+    low = c.put(b"low", pri=10)
+    first = c.put(b"a", pri=1)
+    second = c.put(b"b", pri=1)
+    assert [job_id(c.reserve()) for _ in range(3)] == [first, second, low]
+
+
+def test_reserved_job_body_is_framed(queue):
+    c = Conn(queue)
+    jid = c.put(b"hello")
+    assert c.reserve() == b"RESERVED %d 5\r\nhello\r\n" % jid
+
+
+def test_delay_becomes_ready_on_tick(queue, clock):
+    c = Conn(queue)
+    jid = c.put(delay=5)
+    assert queue.reserve(c.client, 0) is None and c.later.pop() == p.TIMED_OUT
+    clock.advance(4.9)
+    queue.tick()
+    assert queue.peek_ready(c.client) == p.NOT_FOUND
+    clock.advance(0.2)
+    queue.tick()
+    assert job_id(queue.peek_ready(c.client)) == jid
+
+
+def test_ttr_expiry_returns_job_and_counts_timeout(queue, clock):
+    c = Conn(queue)
+    jid = c.put(ttr=2)
+    c.reserve()
+    clock.advance(2.1)
+    queue.tick()
+    stats = queue.stats_job(c.client, jid)
+    assert b"state: ready" in stats and b"timeouts: 1" in stats
+    assert queue.timeout_ct == 1
+
+
+def test_touch_postpones_ttr(queue, clock):
+    c = Conn(queue)
+    jid = c.put(ttr=2)
+    c.reserve()
+    for _ in range(5):
+        clock.advance(1.5)
+        assert queue.touch(c.client, jid) == p.TOUCHED
+        queue.tick()
+    assert b"state: reserved" in queue.stats_job(c.client, jid)
+
+
+def test_ttr_zero_becomes_one_second(queue):
+    c = Conn(queue)
+    reply = queue.put(c.client, 0, 0, 0, b"x")
+    assert b"ttr: 1\n" in queue.stats_job(c.client, job_id(reply))
+
+
+def test_deadline_soon_while_holding_expiring_job(queue, clock):
+    c = Conn(queue)
+    c.put(ttr=1)
+    c.reserve()
+    assert c.reserve() == p.DEADLINE_SOON
+
+
+def test_blocked_reserve_gets_deadline_soon_when_margin_reached(queue, clock):
+    c = Conn(queue)
+    c.put(ttr=5)
+    c.reserve()
+    assert queue.reserve(c.client, -1) is None
+    clock.advance(3.9)
+    queue.tick()
+    assert c.later == []
+    clock.advance(0.2)
+    queue.tick()
+    assert c.later == [p.DEADLINE_SOON]
+
+
+def test_blocked_reserver_woken_by_put_from_other_client(queue):
+    worker, producer = Conn(queue), Conn(queue)
+    assert queue.reserve(worker.client, -1) is None
+    jid = producer.put(b"work")
+    assert worker.later == [b"RESERVED %d 4\r\nwork\r\n" % jid]
+
+
+def test_reserve_with_timeout_times_out(queue, clock):
+    c = Conn(queue)
+    assert queue.reserve(c.client, 3) is None
+    clock.advance(2.9)
+    queue.tick()
+    assert c.later == []
+    clock.advance(0.2)
+    queue.tick()
+    assert c.later == [p.TIMED_OUT]
+
+
+def test_only_reserver_may_delete_release_touch(queue):
+    owner, other = Conn(queue), Conn(queue)
+    jid = owner.put()
+    owner.reserve()
+    assert queue.delete(other.client, jid) == p.NOT_FOUND
+    assert queue.release(other.client, jid, 0, 0) == p.NOT_FOUND
+    assert queue.touch(other.client, jid) == p.NOT_FOUND
+    assert queue.delete(owner.client, jid) == p.DELETED
+
+
+def test_disconnect_releases_reserved_jobs(queue):
+    owner, other = Conn(queue), Conn(queue)
+    jid = owner.put()
+    owner.reserve()
+    queue.disconnect(owner.client)
+    assert job_id(other.reserve()) == jid
+
+
+def test_kick_prefers_buried_over_delayed(queue):
+    c = Conn(queue)
+    delayed = c.put(delay=100)
+    buried = c.put()
+    c.reserve()
+    assert queue.bury(c.client, buried, 5) == p.BURIED
+    assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
+    assert b"state: delayed" in queue.stats_job(c.client, delayed)
+    assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
+    assert b"state: ready" in queue.stats_job(c.client, delayed)
+
+
+def test_pause_tube_holds_reservations_until_unpaused(queue, clock):
+    c = Conn(queue)
+    jid = c.put()
+    assert queue.pause_tube(c.client, "default", 10) == p.PAUSED
+    assert queue.reserve(c.client, -1) is None
+    clock.advance(10.1)
+    queue.tick()
+    assert job_id(c.later.pop()) == jid
+
+
+def test_tube_removed_when_unreferenced(queue):
+    c = Conn(queue)
+    queue.use(c.client, "emails")
+    jid = c.put()
+    queue.use(c.client, "default")
+    assert b"- emails" in queue.list_tubes(c.client)
+    c.reserve_owner = queue.watch(c.client, "emails")
+    queue.delete(c.client, jid)
+    queue.ignore(c.client, "emails")
+    assert b"- emails" not in queue.list_tubes(c.client)
+
+
+def test_ignore_last_tube_refused(queue):
+    c = Conn(queue)
+    assert queue.ignore(c.client, "default") == p.NOT_IGNORED
+
+
+def test_reserve_job_takes_a_specific_job(queue):
+    c = Conn(queue)
+    c.put(b"a")
+    b_id = c.put(b"b")
+    assert queue.reserve_job(c.client, b_id) == b"RESERVED %d 1\r\nb\r\n" % b_id
+    assert queue.reserve_job(c.client, b_id) == p.NOT_FOUND
+
+
+def test_blocked_reservers_served_in_arrival_order(queue):
+    producer = Conn(queue)
+    first, second = Conn(queue), Conn(queue)
+    queue.reserve(first.client, -1)
+    queue.reserve(second.client, -1)
+    a = producer.put(b"a")
+    b = producer.put(b"b")
+    assert job_id(first.later[0]) == a and job_id(second.later[0]) == b
+
+
+def test_draining_refuses_put_but_serves_reads(queue):
+    c = Conn(queue)
+    jid = c.put()
+    queue.draining = True
+    assert queue.put(c.client, 0, 0, 1, b"x") == p.DRAINING
+    assert job_id(c.reserve()) == jid
+
+
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        (b"put 1 2 3 4", ("put", 1, 2, 3, 4)),
+        (b"put  1 2 3 4", ("put", 1, 2, 3, 4)),
+        (b"delete 18446744073709551615", ("delete", 2**64 - 1)),
+        (b"kick 5abc", ("kick", 5)),
+        (b"kick -1", ("kick", 2**32 - 1)),
+        (b"reserve-with-timeout abc", ("reserve-with-timeout", 0)),
+        (b"pause-tubefoo 3", ("pause-tube", "foo", 3)),
+        (b"use a+b/c;d.e$f_(g)", ("use", "a+b/c;d.e$f_(g)")),
+    ],
+)
+def test_codec_accepts_what_beanstalkd_accepts(line, expected):
+    assert p.parse_line(line, 65535) == expected
+
+
+@pytest.mark.parametrize(
+    "line,reply",
+    [
+        (b"put 1 2 3", p.BAD_FORMAT),
+        (b"put 1 2 3 4 x", p.BAD_FORMAT),
+        (b"delete 18446744073709551616", p.BAD_FORMAT),
+        (b"delete +1", p.BAD_FORMAT),
+        (b"reservex", p.BAD_FORMAT),
+        (b"stats-tubex", p.BAD_FORMAT),
+        (b"use -foo", p.BAD_FORMAT),
+        (b"use " + b"a" * 201, p.BAD_FORMAT),
+        (b"frobnicate", p.UNKNOWN_COMMAND),
+        (b"", p.UNKNOWN_COMMAND),
+        (b"peek", p.UNKNOWN_COMMAND),
+        (b"stats\x00", p.BAD_FORMAT),
+    ],
+)
+def test_codec_rejects_like_beanstalkd(line, reply):
+    with pytest.raises(p.ParseError) as err:
+        p.parse_line(line, 65535)
+    assert err.value.reply == reply
+
+
+def drain(decoder: p.Decoder) -> list[tuple]:
+    items = []
+    while (item := decoder.next_command()) is not None:
+        items.append(item)
+    return items
+
+
+def test_decoder_handles_split_put_and_pipelining():
+    d = p.Decoder()
+    d.feed(b"put 0 0 1 5\r\nhel")
+    assert drain(d) == [("put-header", 0, 0, 1, 5)]
+    d.feed(b"lo\r\nstats\r\n")
+    assert drain(d) == [("put", 0, 0, 1, b"hello", True), ("stats",)]
+
+
+def test_decoder_expected_crlf_then_rest_is_a_command():
+    d = p.Decoder()
+    d.feed(b"put 0 0 1 1\r\nxx\r\nstats\r\n")  # body is "xx\r"; "\nstats" follows
+    assert drain(d) == [("put", 0, 0, 1, None, False), ("error", p.UNKNOWN_COMMAND, None)]
+
+
+def test_decoder_job_too_big_skips_body():
+    d = p.Decoder(max_job_size=3)
+    d.feed(b"put 0 0 1 5\r\nhel")
+    assert drain(d) == [("too-big",)]
+    d.feed(b"lo\r\nstats\r\n")
+    assert drain(d) == [("error", p.JOB_TOO_BIG, None), ("stats",)]
+
+
+def test_decoder_overlong_line_answers_bad_format_once():
+    d = p.Decoder()
+    d.feed(b"x" * 300 + b"\r\nstats\r\n")
+    assert drain(d) == [("error", p.BAD_FORMAT, None), ("stats",)]

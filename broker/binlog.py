@@ -119,11 +119,19 @@ class BinlogError(Exception):
 
 
 class _Recovered:
-    """What the scan of the existing segments found, until recover() puts it in the queue."""
+    """What the scan of the existing segments found, until recover() puts it in the queue.
+
+    Kept compact for big logs: a job is the *location* of its latest K_JOB record,
+    ``(n << 40) | offset`` with ``n`` the position of its segment in ``datas`` (locations
+    grow in log order, so they double as sequence numbers); its fields are decoded once,
+    when it is restored.
+    """
 
     def __init__(self) -> None:
-        # id -> [job fields tuple, tube bytes, body bytes, update tuple or None, seq, home segment]
-        self.jobs: dict[int, list] = {}
+        self.jobs: dict[int, int] = {}  # id -> location of its latest K_JOB record
+        self.updates: dict[int, tuple[int, tuple]] = {}  # id -> (location, K_UPDATE fields) newer than it
+        self.datas: list[bytes] = []  # segment contents, by position
+        self.indexes: list[int] = []  # segment index, by position
         self.max_id = 0
         self.records = 0
         self.segments: list[int] = []  # indexes kept, ascending
@@ -131,6 +139,11 @@ class _Recovered:
         self.damaged: list[int] = []  # indexes with damage skipped (ignore_damage)
         self.seconds = 0.0
         self.torn: list[tuple[str, int, str]] = []
+
+
+_LOC_BITS = 40
+_LOC_MASK = (1 << _LOC_BITS) - 1
+_ID = __import__("struct").Struct("<Q")
 
 
 class Binlog(QueueListener):
@@ -182,6 +195,7 @@ class Binlog(QueueListener):
         self.records_written = 0
         self.records_migrated = 0
         self._recovered: _Recovered | None = None
+        self._damaged: list[int] = []
         self._closed = False
 
     # ------------------------------------------------------------------ opening
@@ -197,6 +211,7 @@ class Binlog(QueueListener):
         self._dirfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         rec = self._scan()
         self._recovered = rec
+        self._damaged = list(rec.damaged)
         self._max_id = rec.max_id
         for idx in rec.segments:
             self._order.append(idx)
@@ -252,11 +267,12 @@ class Binlog(QueueListener):
             self._fsync_dir()
         total = len(indexes)
         jobs = rec.jobs
+        updates = rec.updates
         seq = 0
         max_id = 0
         last_report = t0
         frame_unpack = _FRAME.unpack_from
-        job_unpack = _JOB.unpack_from
+        id_unpack = _ID.unpack_from
         update_unpack = _UPDATE.unpack_from
         crc32 = _crc32
         K_JOB, K_UPDATE, K_DELETE = fmt.K_JOB, fmt.K_UPDATE, fmt.K_DELETE
@@ -285,6 +301,9 @@ class Binlog(QueueListener):
                 continue  # ignore_damage: the whole segment is unreadable
             if hmax > max_id:
                 max_id = hmax
+            base = len(rec.datas) << _LOC_BITS
+            rec.datas.append(data)
+            rec.indexes.append(idx)
             mv = memoryview(data)
             pos = fmt.HEADER_SIZE
             valid_end = pos
@@ -316,27 +335,26 @@ class Binlog(QueueListener):
                     continue
                 kind = data[start]
                 if kind == K_JOB:
-                    f = job_unpack(data, start)
-                    tstart = start + JOB_SIZE
-                    bstart = tstart + f[13]
-                    if length < JOB_SIZE or bstart > stop:
+                    if length < JOB_SIZE or JOB_SIZE + data[start + JOB_SIZE - 1] > length:
                         pos = self._bad(rec, path, idx, data, pos, end, newest, "job record too short")
                         if pos < 0:
                             break
                         continue
-                    jid = f[1]
-                    jobs[jid] = [f, data[tstart:bstart], data[bstart:stop], None, seq, idx, stop - pos]
+                    jid = id_unpack(data, start + 1)[0]
+                    jobs[jid] = base | pos
+                    if updates:
+                        updates.pop(jid, None)
                     if jid > max_id:
                         max_id = jid
                 elif kind == K_UPDATE and length == UPDATE_SIZE:
                     u = update_unpack(data, start)
-                    entry = jobs.get(u[1])
-                    if entry is not None:
-                        entry[3] = u
-                        entry[4] = seq
+                    if u[1] in jobs:
+                        updates[u[1]] = (base | pos, u)
                 elif kind == K_DELETE and length == DELETE_SIZE:
-                    jid = int.from_bytes(data[start + 1:stop], "little")
+                    jid = id_unpack(data, start + 1)[0]
                     jobs.pop(jid, None)
+                    if updates:
+                        updates.pop(jid, None)
                     if jid > max_id:
                         max_id = jid
                 else:
@@ -403,67 +421,101 @@ class Binlog(QueueListener):
         """Put every recovered job back into ``queue`` (reserved jobs come back ready)."""
         self.queue = queue
         t0 = time.monotonic()
-        clock = queue.clock
-        self._wall_off = off = time.time_ns() - clock()
+        self._wall_off = time.time_ns() - queue.clock()
         rec = self._recovered
         self._recovered = None
         if rec is None:
             return
-        jobs = rec.jobs
-        restore = queue.restore_job
-        tube_names: dict[bytes, str] = {}
-        live = self._live
-        ids = self._ids
-        live_bytes = 0
-        buried = []
-        nrestored = 0
-        while jobs:
-            jid, entry = jobs.popitem()
-            f, tb, body, upd, seq, home, size = entry
-            if upd is not None:
-                _, _, state, pri, delay, deadline, r1, r2, r3, r4, r5 = upd
-            else:
-                _, _, state, pri, delay, _ttr, _c, deadline, r1, r2, r3, r4, r5, _ = f
-            if state == BURIED:
-                buried.append(entry)
-                continue
-            name = tube_names.get(tb)
-            if name is None:
-                name = tube_names[tb] = tb.decode("latin-1")
-            if state == DELAYED:
-                deadline -= off
-            else:
-                state = READY
-            restore(jid, name, pri, delay, f[5], body, state, deadline, f[6] - off, (r1, r2, r3, r4, r5), home)
-            live[home] += 1
-            ids[home].append(jid)
-            live_bytes += size
-            nrestored += 1
-        buried.sort(key=lambda e: e[4])  # buried jobs keep the order they were buried in
-        for entry in buried:
-            f, tb, body, upd, seq, home, size = entry
-            jid = f[1]
-            u = upd if upd is not None else (0, 0, f[2], f[3], f[4], f[7], *f[8:13])
-            name = tube_names.get(tb) or tb.decode("latin-1")
-            restore(jid, name, u[3], u[4], f[5], body, BURIED, 0, f[6] - off, tuple(u[6:11]), home)
-            live[home] += 1
-            ids[home].append(jid)
-            live_bytes += size
-            nrestored += 1
-        self._nlive = nrestored
-        self._live_bytes = live_bytes
+        self._restored = 0
+        self._restored_buried = 0
+        self._restored_bytes = 0
+        bulk = getattr(queue, "restore_jobs", None)
+        if bulk is not None:
+            bulk(self._restore_records(rec))
+        else:  # an older Queue without the bulk path
+            for args in self._restore_records(rec):
+                queue.restore_job(*args)
+        self._nlive = self._restored
+        self._live_bytes = self._restored_bytes
         if queue.next_id <= rec.max_id:
             queue.next_id = rec.max_id + 1
         restore_s = time.monotonic() - t0
         kept = len(rec.segments)
         if kept or rec.damaged or rec.torn:
-            _say(f"recovered {nrestored:,} jobs ({len(buried):,} buried) from {kept} segment(s), "
+            _say(f"recovered {self._restored:,} jobs ({self._restored_buried:,} buried) from {kept} segment(s), "
                  f"{rec.records:,} records in {rec.seconds + restore_s:.2f}s "
                  f"(read {rec.seconds:.2f}s, restore {restore_s:.2f}s); next job id {queue.next_id}")
-        if rec.damaged:
-            self._rewrite_all_forward(rec.damaged)
+        del rec
+        if self._damaged:
+            self._rewrite_all_forward(self._damaged)
+        self._drop_empty_segments()
         self._maint = True
         self._maintain(full=True)
+
+    def _restore_records(self, rec: _Recovered):
+        """Decode the latest record of every live job: restore_job argument tuples, buried jobs last."""
+        off = self._wall_off
+        jobs = rec.jobs
+        updates = rec.updates
+        datas = rec.datas
+        indexes = rec.indexes
+        job_unpack = _JOB.unpack_from
+        frame_unpack = _FRAME.unpack_from
+        tube_names: dict[bytes, str] = {}
+        live = self._live
+        ids = self._ids
+        JOB_SIZE = fmt.JOB_SIZE
+        buried = []
+        n = 0
+        nbytes = 0
+        while jobs:
+            jid, loc = jobs.popitem()
+            data = datas[loc >> _LOC_BITS]
+            pos = loc & _LOC_MASK
+            length = frame_unpack(data, pos)[0]
+            f = job_unpack(data, pos + 8)
+            tstart = pos + 8 + JOB_SIZE
+            bstart = tstart + f[13]
+            tb = data[tstart:bstart]
+            name = tube_names.get(tb)
+            if name is None:
+                name = tube_names[tb] = tb.decode("latin-1")
+            home = indexes[loc >> _LOC_BITS]
+            live[home] += 1
+            ids[home].append(jid)
+            nbytes += length + 8
+            n += 1
+            u = updates.pop(jid, None) if updates else None
+            if u is not None:
+                seq, (_, _, state, pri, delay, deadline, r1, r2, r3, r4, r5) = u
+            else:
+                seq = loc
+                _, _, state, pri, delay, ttr, created, deadline, r1, r2, r3, r4, r5, _ = f
+            if state == BURIED:
+                buried.append((seq, (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], BURIED, 0,
+                                     f[6] - off, (r1, r2, r3, r4, r5), home)))
+                continue
+            if state == DELAYED:
+                deadline -= off
+            else:
+                state = READY
+            yield (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], state, deadline, f[6] - off,
+                   (r1, r2, r3, r4, r5), home)
+        rec.datas = []
+        self._restored = n
+        self._restored_bytes = nbytes
+        self._restored_buried = len(buried)
+        buried.sort(key=lambda e: e[0])  # buried jobs keep the order they were buried in
+        for _, args in buried:
+            yield args
+
+    def _drop_empty_segments(self) -> None:
+        """Old segments holding no record at all (a start with no activity) can go in any order."""
+        for idx in list(self._order):
+            if idx != self._cur and self._size.get(idx) == fmt.HEADER_SIZE and not self._live.get(idx):
+                os.unlink(self._path(idx))
+                self._fsync_dir()
+                self._forget(idx)
 
     def _rewrite_all_forward(self, damaged: list[int]) -> None:
         """After --binlog-ignore-damage: write every live job into the current segment, set damaged files aside."""

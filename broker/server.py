@@ -397,7 +397,11 @@ class BrokerServer:
         return result
 
     def reschedule(self) -> None:
-        """Point the one loop timer at the queue's earliest deadline."""
+        """Point the one loop timer at the queue's earliest deadline (if the heap changed)."""
+        timers = self.queue.timers
+        if not timers.pushed:
+            return
+        timers.pushed = False
         when = self.queue.next_deadline()
         if when is None:
             return
@@ -413,6 +417,7 @@ class BrokerServer:
         self._timer = None
         self._timer_when = None
         self.queue.tick()
+        self.queue.timers.pushed = True  # whatever is left is due later: look again
         self.reschedule()
 
     def drain(self) -> None:

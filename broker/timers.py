@@ -23,12 +23,13 @@ TUBE_UNPAUSE = 3
 class TimerHeap:
     """A min-heap of (when_ns, seq, kind, owner) with lazy invalidation."""
 
-    __slots__ = ("_heap", "_seq", "_is_current")
+    __slots__ = ("_heap", "_seq", "_is_current", "pushed")
 
     def __init__(self, is_current: Callable[[int, int, object], bool]) -> None:
         self._heap: list[tuple[int, int, int, object]] = []
         self._seq = 0
         self._is_current = is_current
+        self.pushed = False  # set by push(); the owner clears it once it has rescheduled
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -36,6 +37,7 @@ class TimerHeap:
     def push(self, when: int, kind: int, owner: object) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, kind, owner))
+        self.pushed = True
 
     def next_deadline(self) -> int | None:
         """The earliest live deadline, dropping stale entries on the way."""

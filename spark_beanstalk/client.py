@@ -8,6 +8,7 @@ reservation. It speaks only the wire protocol; it knows nothing of Spark.
 from __future__ import annotations
 
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -86,18 +87,36 @@ class Connection:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 11300, timeout: float | None = 30.0,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, *, tls: bool = False, ca_file: str | None = None,
+                 certfile: str | None = None, keyfile: str | None = None, auth_token: str | None = None,
+                 server_hostname: str | None = None) -> None:
+        """Connect; with ``tls`` wrap the socket (``ca_file`` to trust a private CA,
+        ``certfile``/``keyfile`` for a client certificate); with ``auth_token`` send our
+        broker's ``auth`` extension first."""
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
         try:
-            self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls:
+                ctx = ssl.create_default_context(cafile=ca_file)
+                if certfile:
+                    ctx.load_cert_chain(certfile, keyfile)
+                sock = ctx.wrap_socket(sock, server_hostname=server_hostname or host)
+        except ssl.SSLError as exc:
+            raise ConnectionLost("TLS_FAILED", "connect", f"TLS handshake with {self.address} failed: {exc}") from exc
         except OSError as exc:
             raise ConnectionLost("UNREACHABLE", "connect", f"cannot connect to {self.address}: {exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
         self._sock.settimeout(timeout)
         self._buf = bytearray()
         self._pos = 0
+        if auth_token is not None:
+            reply = self.call(f"auth {auth_token}")
+            if reply.status != b"OK":
+                self.close()
+                raise BeanstalkError(reply.status.decode("latin-1"), "auth", f"{self.address} refused the token")
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
@@ -336,3 +355,49 @@ def parse_hosts(spec: str, default_port: int = 11300) -> list[tuple[str, int]]:
     if not hosts:
         raise ValueError(f"no hosts in {spec!r}")
     return hosts
+
+
+# -- appended for the writers (spark_beanstalk/writer.py) -----------------------------------
+def _pipeline_lines(self: Connection, commands: Sequence[bytes], window: int = 1024,
+                    max_bytes: int = 1 << 20) -> list[bytes]:
+    """Send pre-encoded commands whose replies are one line each (put, use, delete, ...).
+
+    Keeps at most `window` commands and about `max_bytes` unanswered, and returns every
+    reply line in order. If the connection fails, the ConnectionLost raised carries
+    ``.replies``: the lines received before the failure (those commands are known done;
+    the rest are unknown).
+    """
+    replies: list[bytes] = []
+    total = len(commands)
+    sent = 0
+    buf = self._buf
+    try:
+        while len(replies) < total:
+            if sent < total and sent - len(replies) < window:
+                upto = sent
+                size = 0
+                limit = min(total, len(replies) + window)
+                while upto < limit and (size < max_bytes or upto == sent):
+                    size += len(commands[upto])
+                    upto += 1
+                self.send(b"".join(commands[sent:upto]))
+                sent = upto
+            # read every complete line available, then fill once more if short
+            want = sent
+            while len(replies) < want:
+                end = buf.find(CRLF, self._pos)
+                if end < 0:
+                    if len(replies) > 0 and sent < total and sent - len(replies) < window // 2:
+                        break  # room to send more before blocking on the socket
+                    self._fill()
+                    buf = self._buf
+                    continue
+                replies.append(bytes(buf[self._pos:end]))
+                self._pos = end + 2
+    except ConnectionLost as exc:
+        exc.replies = replies  # type: ignore[attr-defined]
+        raise
+    return replies
+
+
+Connection.pipeline_lines = _pipeline_lines  # type: ignore[attr-defined]

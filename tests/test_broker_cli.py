@@ -1,0 +1,160 @@
+"""The broker as an operator starts it: flags, config file, signals, Unix socket."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spark_beanstalk.client import Connection
+from spark_beanstalk.embedded import ServerProcess, broker_process, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float = 15) -> int:
+    return proc.wait(timeout)
+
+
+def test_help_lists_beanstalkd_flags():
+    out = subprocess.run([sys.executable, "-m", "broker", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("-l, --listen", "-p, --port", "-z, --max-job-size", "-V, --verbose", "-b, --binlog-dir",
+                 "--config", "--max-connections", "--tls-cert", "--auth-token-file", "--metrics"):
+        assert flag in out
+
+
+def test_console_script_runs_the_broker():
+    out = subprocess.run(["spark-beanstalk", "broker", "--help"], capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    assert "[default: 127.0.0.1]" in flat and "beanstalkd's default is 0.0.0.0" in flat
+
+
+def test_sigterm_stops_cleanly_and_sigint_too():
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        server = broker_process().start()
+        server.signal(signum)
+        assert _wait_exit(server.proc) == 0
+
+
+def test_sigusr1_enters_drain_mode():
+    server = broker_process().start()
+    try:
+        with Connection(server.host, server.port) as conn:
+            assert conn.put(b"before") == 1
+            server.signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while conn.stats()["draining"] != "true":
+                assert time.monotonic() < deadline, "drain mode never reported"
+                time.sleep(0.02)
+            reply = conn.call("put 0 0 10 1", b"x")
+            assert reply.status == b"DRAINING"
+            assert conn.reserve(0).body == b"before"  # reads still work
+    finally:
+        server.stop()
+
+
+def test_default_listen_is_loopback_only():
+    port = free_port()
+    server = ServerProcess(argv=[sys.executable, "-m", "broker", "-p", str(port)], host="127.0.0.1", port=port).start()
+    try:
+        # /proc/net/tcp: local address column, hex; state 0A = LISTEN; 0100007F = 127.0.0.1
+        rows = [r.split() for r in open("/proc/net/tcp").read().splitlines()[1:]]
+        listening = [r[1] for r in rows if r[3] == "0A" and r[1].endswith(f":{port:04X}")]
+        assert listening == [f"0100007F:{port:04X}"]
+    finally:
+        server.stop()
+
+
+def test_unix_socket_listener(tmp_path):
+    path = tmp_path / "broker.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "-l", f"unix:{path}"])
+    try:
+        deadline = time.monotonic() + 15
+        while not path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(5)
+        for _ in range(200):
+            try:
+                sock.connect(str(path))
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                time.sleep(0.02)
+        sock.sendall(b"put 0 0 10 2\r\nhi\r\nreserve\r\n")
+        data = b""
+        while data.count(b"\r\n") < 3:
+            data += sock.recv(4096)
+        assert data == b"INSERTED 1\r\nRESERVED 1 2\r\nhi\r\n"
+        sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_config_file_and_flags_override_it(tmp_path):
+    port = free_port()
+    conf = tmp_path / "broker.toml"
+    conf.write_text(f'[broker]\nlisten = "127.0.0.1"\nport = {port}\nmax_job_size = 10\n')
+    server = ServerProcess(argv=[sys.executable, "-m", "broker", "--config", str(conf)], host="127.0.0.1",
+                           port=port).start()
+    try:
+        with Connection(server.host, server.port) as conn:
+            assert conn.stats()["max-job-size"] == 10
+            assert conn.call("put 0 0 10 11", b"x" * 11).status == b"JOB_TOO_BIG"
+    finally:
+        server.stop()
+    port2 = free_port()
+    conf.write_text(f'[broker]\nport = {port2}\nmax_job_size = 10\n')
+    server = ServerProcess(argv=[sys.executable, "-m", "broker", "--config", str(conf), "-z", "20"],
+                           host="127.0.0.1", port=port2).start()
+    try:
+        with Connection(server.host, server.port) as conn:
+            assert conn.stats()["max-job-size"] == 20
+    finally:
+        server.stop()
+
+
+def test_config_file_unknown_key_is_a_clear_error(tmp_path):
+    conf = tmp_path / "broker.toml"
+    conf.write_text("[broker]\nlistne = '127.0.0.1'\n")
+    result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "unknown key 'listne'" in result.stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    server = broker_process().start()
+    try:
+        result = subprocess.run([sys.executable, "-m", "broker", "-p", str(server.port)], capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode != 0
+        assert f"cannot listen on 127.0.0.1:{server.port}" in result.stderr
+    finally:
+        server.stop()
+
+
+def test_bad_flag_values_are_rejected():
+    result = subprocess.run([sys.executable, "-m", "broker", "-p", "99999"], capture_output=True, text=True)
+    assert result.returncode == 2 and "99999" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "broker", "--metrics", "nope"], capture_output=True, text=True)
+    assert result.returncode == 2 and "ADDR:PORT" in result.stderr
+
+
+def test_verbose_logs_connections():
+    port = free_port()
+    log_path = f"/tmp/broker-verbose-{os.getpid()}.log"
+    server = ServerProcess(argv=[sys.executable, "-m", "broker", "-p", str(port), "-V"], host="127.0.0.1",
+                           port=port, stderr_path=log_path).start()
+    try:
+        with Connection(server.host, server.port) as conn:
+            conn.stats()
+    finally:
+        server.stop()
+    text = open(log_path).read()
+    os.unlink(log_path)
+    assert "accept 127.0.0.1:" in text and "listening on 127.0.0.1:" in text

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import os
 import signal
 import sys
@@ -209,7 +210,13 @@ class Binlog(QueueListener):
             raise BinlogError(f"binlog path {self.dir} is not a directory")
         self._lock()
         self._dirfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        rec = self._scan()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            rec = self._scan()
+        finally:
+            if gc_was_on:
+                gc.enable()
         self._recovered = rec
         self._damaged = list(rec.damaged)
         self._max_id = rec.max_id
@@ -430,11 +437,17 @@ class Binlog(QueueListener):
         self._restored_buried = 0
         self._restored_bytes = 0
         bulk = getattr(queue, "restore_jobs", None)
-        if bulk is not None:
-            bulk(self._restore_records(rec))
-        else:  # an older Queue without the bulk path
-            for args in self._restore_records(rec):
-                queue.restore_job(*args)
+        gc_was_on = gc.isenabled()
+        gc.disable()  # a million new objects and no garbage: collections would cost more than the restore
+        try:
+            if bulk is not None:
+                bulk(self._restore_records(rec))
+            else:  # an older Queue without the bulk path
+                for args in self._restore_records(rec):
+                    queue.restore_job(*args)
+        finally:
+            if gc_was_on:
+                gc.enable()
         self._nlive = self._restored
         self._live_bytes = self._restored_bytes
         if queue.next_id <= rec.max_id:

@@ -13,6 +13,7 @@ import tomllib
 
 import click
 
+from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.security import TlsConfig, load_token
@@ -109,8 +110,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
                    tls_port: int | None, auth_token_file: str | None, metrics: str | None,
                    extended_stats: bool) -> None:
     """Run the beanstalkd-compatible work-queue broker."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logs.setup(verbose)
     listener = None
     if binlog_dir is not None:
         listener = _open_binlog(binlog_dir, fsync_ms, no_fsync, binlog_size)
@@ -140,7 +140,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
 
     def ready(server) -> None:
         if verbose:
-            logging.getLogger("broker").info("listening on %s", ", ".join(server.addresses()))
+            logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()))
 
     try:
         asyncio.run(run_server(config, listener, on_ready=ready))

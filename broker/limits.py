@@ -13,6 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from broker.logs import event
+
 log = logging.getLogger("broker.limits")
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 << 20  # unsent replies per connection before it is closed
@@ -64,7 +66,7 @@ class Refusals:
         if now - start >= 1.0:
             start, logged = now, 0
         if logged < self.log_per_second:
-            log.warning("refused (%s) for %s%s", reason.replace("_", " "), peer, f": {detail}" if detail else "")
+            event(log, logging.WARNING, "refused", reason=reason, peer=peer, detail=detail)
         self._window[reason] = (start, logged + 1)
 
     def stats_items(self, current_job_bytes: int) -> dict[str, int]:

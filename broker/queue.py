@@ -171,24 +171,29 @@ class Tube:
         self.refs = 0
 
     def ready_top(self) -> Job | None:
-        heap = self.ready
-        while heap:
-            entry = heap[0]
-            job = entry[2]
-            if job.entry is entry:
-                return job
-            heapq.heappop(heap)
-        return None
+        return _live_top(self.ready)
 
     def delayed_top(self) -> Job | None:
-        heap = self.delayed
-        while heap:
-            entry = heap[0]
-            job = entry[2]
-            if job.entry is entry:
-                return job
-            heapq.heappop(heap)
-        return None
+        return _live_top(self.delayed)
+
+
+def _live_top(heap: list[tuple]) -> Job | None:
+    """The first entry of a lazily-deleted job heap that is still the job's current entry."""
+    while heap:
+        entry = heap[0]
+        if entry[2].entry is entry:
+            return entry[2]
+        heapq.heappop(heap)
+    return None
+
+
+def _pruned(heap: list[tuple], live: int) -> list[tuple]:
+    """Rebuild a lazily-deleted job heap once stale entries outnumber live ones."""
+    if len(heap) <= 2 * live + 64:
+        return heap
+    fresh = [e for e in heap if e[2].entry is e]
+    heapq.heapify(fresh)
+    return fresh
 
 
 class Client:
@@ -392,18 +397,14 @@ class Queue:
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
             self.urgent_ct -= 1
-        if len(tube.ready) > 2 * tube.ready_count + 64:
-            tube.ready = [e for e in tube.ready if e[2].entry is e]
-            heapq.heapify(tube.ready)
+        tube.ready = _pruned(tube.ready, tube.ready_count)
 
     def _remove_delayed(self, job: Job) -> None:
         job.entry = None
         tube = job.tube
         tube.delayed_count -= 1
         self.delayed_ct -= 1
-        if len(tube.delayed) > 2 * tube.delayed_count + 64:
-            tube.delayed = [e for e in tube.delayed if e[2].entry is e]
-            heapq.heapify(tube.delayed)
+        tube.delayed = _pruned(tube.delayed, tube.delayed_count)
 
     def _remove_buried(self, job: Job) -> None:
         del job.tube.buried[job.id]

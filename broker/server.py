@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from broker import logs
 from broker import protocol as p
 from broker import security
 from broker.limits import OUTPUT_HIGH_WATER, Limits
@@ -110,7 +111,7 @@ class BrokerConnection(asyncio.Protocol):
         self.client = self.queue.connect(self._deliver, self.peer)
         self.server.connections.add(self)
         if self.server.config.verbose:
-            log.info("accept %s", self.peer)
+            logs.event(log, logging.INFO, "accept", peer=self.peer)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -141,7 +142,7 @@ class BrokerConnection(asyncio.Protocol):
         self.client.deliver = _discard  # break the client <-> connection cycle
         self.server.reschedule()
         if self.server.config.verbose:
-            log.info("close %s", self.peer)
+            logs.event(log, logging.INFO, "close", peer=self.peer)
 
     def pause_writing(self) -> None:
         """The client stopped reading: stop reading its commands until it catches up.
@@ -333,7 +334,8 @@ class BrokerServer:
 
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
-        self._stopped = asyncio.Event()
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
         loop.set_exception_handler(self._loop_error)
         config = self.config
         tls = config.tls
@@ -423,7 +425,7 @@ class BrokerServer:
     def drain(self) -> None:
         """SIGUSR1: refuse new jobs (put answers DRAINING), keep serving the rest."""
         self.queue.draining = True
-        log.warning("entering drain mode: put now answers DRAINING")
+        logs.event(log, logging.WARNING, "drain", "put now answers DRAINING")
 
     def request_stop(self) -> None:
         if self._stopped is not None:
@@ -488,13 +490,15 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
                      on_ready: Callable[[BrokerServer], None] | None = None) -> None:
     tune_gc()
     server = BrokerServer(config, listener)
-    if listener is not None:
-        listener.recover(server.queue)
-    await server.start()
     loop = asyncio.get_running_loop()
+    server._stopped = asyncio.Event()
+    # Handlers first: once the port accepts connections, signals must already be ours.
     loop.add_signal_handler(signal.SIGTERM, server.request_stop)
     loop.add_signal_handler(signal.SIGINT, server.request_stop)
     loop.add_signal_handler(signal.SIGUSR1, server.drain)
+    if listener is not None:
+        listener.recover(server.queue)
+    await server.start()
     if on_ready is not None:
         on_ready(server)
     await server.serve_until_stopped()

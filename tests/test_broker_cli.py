@@ -157,4 +157,7 @@ def test_verbose_logs_connections():
         server.stop()
     text = open(log_path).read()
     os.unlink(log_path)
-    assert "accept 127.0.0.1:" in text and "listening on 127.0.0.1:" in text
+    lines = [dict(field.split("=", 1) for field in line.split(" ") if "=" in field) for line in text.splitlines()]
+    events = {line.get("event"): line for line in lines}
+    assert events["listening"]["addresses"] == f"127.0.0.1:{port}"
+    assert events["accept"]["peer"].startswith("127.0.0.1:") and events["accept"]["level"] == "info"

@@ -359,7 +359,7 @@ class Binlog(QueueListener):
                         updates[u[1]] = (base | pos, u)
                 elif kind == K_DELETE and length == DELETE_SIZE:
                     jid = id_unpack(data, start + 1)[0]
-                    jobs.pop(jid, None)
+                    pass
                     if updates:
                         updates.pop(jid, None)
                     if jid > max_id:

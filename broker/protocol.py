@@ -350,6 +350,8 @@ class Decoder:
     def next_command(self) -> tuple | None:
         mode = self.mode
         if mode == _LINE:
+            if self.pos >= len(self.buf):
+                return None
             return self._next_line()
         if mode == _BODY:
             return self._next_body()

@@ -240,7 +240,8 @@ class BrokerConnection(asyncio.Protocol):
         if self.paused and not client.waiting:
             self.paused = False
             self.transport.resume_reading()
-        self.server.reschedule()
+        if queue.timers.pushed:
+            self.server.reschedule()
 
     def _flush(self) -> None:
         out = self.out

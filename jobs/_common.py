@@ -1,0 +1,205 @@
+"""Shared plumbing of the jobs in jobs/: a SparkSession, progress printing, small helpers.
+
+Each job is runnable as ``python jobs/X.py ...`` and ``spark-submit jobs/X.py ...``; both
+put this directory first on ``sys.path``, so ``import _common`` works. Each job's logic
+is a ``run(spark, ...)`` function, so the tests can call it with their one shared session.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import Callable, Iterable
+
+JOBS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(JOBS_DIR)
+CONF_DIR = os.path.join(REPO_ROOT, "conf")
+SAMPLE_DATA = os.path.join(JOBS_DIR, "data", "events.jsonl")
+
+if REPO_ROOT not in sys.path:  # running from a checkout that is not pip-installed
+    sys.path.insert(1, REPO_ROOT)
+
+# pyspark 4.3 warns on every pandas/Arrow call that pandas 3 is "not yet fully supported";
+# the jobs use pandas only through Arrow batches, where it works. Keep the console readable
+# (here for the driver, through the environment for the Python workers Spark starts).
+_PANDAS_WARNING = "PySpark does not yet fully support pandas"
+warnings.filterwarnings("ignore", message=_PANDAS_WARNING, category=FutureWarning)
+os.environ.setdefault("PYTHONWARNINGS", f"ignore:{_PANDAS_WARNING}:FutureWarning")
+
+
+def under_spark_submit() -> bool:
+    """True when spark-submit started this Python driver (the JVM is already up)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def get_session(app_name: str, master: str | None = None, **conf: str):
+    """The job's SparkSession.
+
+    With ``python jobs/X.py`` Spark is started here: local[2] (or ``master``), with
+    SPARK_CONF_DIR pointing at conf/ (spark-defaults.conf, log4j2.properties) unless it
+    is set already. Under spark-submit the session spark-submit configured is used as is
+    (its --master and --conf win).
+    """
+    from spark_beanstalk.session import ensure_worker_python, get_spark
+
+    ensure_worker_python()
+    if under_spark_submit():
+        from pyspark.sql import SparkSession
+
+        builder = SparkSession.builder.appName(app_name)
+        for key, value in conf.items():
+            builder = builder.config(key.replace("__", "."), value)
+        spark = builder.getOrCreate()
+        spark.sparkContext.setLogLevel("WARN")
+        return _register(spark)
+    if os.path.isdir(CONF_DIR):
+        os.environ.setdefault("SPARK_CONF_DIR", CONF_DIR)
+    # Spark's Python workers import spark_beanstalk too: let them find this checkout even
+    # when the package is not pip-installed (they inherit the environment, not sys.path).
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
+    conf.setdefault("spark.ui.showConsoleProgress", "false")
+    return _register(get_spark(app_name, master=master or "local[2]", **conf))
+
+
+def _register(spark):
+    """Register the "beanstalk" format explicitly too.
+
+    pyspark finds it on its own through the pyspark_beanstalk module; registering it here
+    as well keeps the jobs working where that discovery cannot see the module (e.g. a
+    stale editable install, or a Python path spark-submit does not pass on).
+    """
+    from spark_beanstalk.datasource import register
+
+    register(spark)
+    return spark
+
+
+def say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the current directory when it is inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def fmt_duration(ms: float | int | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms / 1000:.2f}s" if ms >= 1000 else f"{int(ms)}ms"
+
+
+def watch_query(query, describe: Callable[[dict], str] | None = None, poll: float = 0.25,
+                timeout: float | None = None, label: str | None = None) -> list[dict]:
+    """Print one line per finished micro-batch until the query ends; return all progress dicts.
+
+    Raises the query's exception if it failed, TimeoutError if `timeout` passes first
+    (the query is stopped then).
+    """
+    label = label or query.name or "query"
+    seen = -1
+    progress: list[dict] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def drain() -> None:
+        nonlocal seen
+        for p in query.recentProgress:
+            p = p if isinstance(p, dict) else p.jsonValue() if hasattr(p, "jsonValue") else dict(p)
+            if p.get("batchId", -1) <= seen:
+                continue
+            seen = p["batchId"]
+            progress.append(p)
+            line = f"[{label}] batch {p['batchId']}: {p.get('numInputRows', 0)} rows"
+            duration = (p.get("durationMs") or {}).get("triggerExecution")
+            if duration is not None:
+                line += f" in {fmt_duration(duration)}"
+            rate = p.get("processedRowsPerSecond")
+            if rate:
+                line += f" ({rate:,.0f} rows/s)"
+            watermark = (p.get("eventTime") or {}).get("watermark")
+            if watermark and not watermark.startswith("1970-01-01"):
+                line += f", watermark {watermark}"
+            if describe is not None:
+                extra = describe(p)
+                if extra:
+                    line += f"; {extra}"
+            say(line)
+
+    while query.isActive:
+        query.awaitTermination(poll)
+        drain()
+        if deadline is not None and time.monotonic() > deadline and query.isActive:
+            query.stop()
+            drain()
+            raise TimeoutError(f"{label} did not finish within {timeout:.0f}s")
+    drain()
+    error = query.exception()
+    if error is not None:
+        raise RuntimeError(f"{label} failed: {error}")
+    return progress
+
+
+def source_counters(progress: dict) -> dict:
+    """The beanstalk source's counters (reportLatestOffset) from a progress dict, if present."""
+    for source in progress.get("sources") or []:
+        latest = source.get("latestOffset")
+        if isinstance(latest, str):
+            import json
+
+            try:
+                latest = json.loads(latest)
+            except ValueError:
+                continue
+        if isinstance(latest, dict):
+            return latest
+    return {}
+
+
+def clear_dir(path: str, must_contain: Iterable[str] = ()) -> None:
+    """Remove `path` if it is empty or looks like our output (holds one of must_contain)."""
+    if not os.path.exists(path):
+        return
+    entries = set(os.listdir(path))
+    if entries and not entries & set(must_contain):
+        raise SystemExit(f"refusing to delete {path}: it does not look like output of this job "
+                         f"(expected one of {sorted(must_contain)}); pass another --out")
+    shutil.rmtree(path)
+
+
+def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict]:
+    """stats-tube of each tube summed over the brokers in `hosts` (missing tubes count 0)."""
+    from spark_beanstalk.client import Connection, parse_hosts
+
+    keys = ("current-jobs-ready", "current-jobs-reserved", "current-jobs-delayed", "current-jobs-buried",
+            "total-jobs", "cmd-delete")
+    result = {t: dict.fromkeys(keys, 0) for t in tubes}
+    for host, port in parse_hosts(hosts):
+        with Connection(host, port, timeout=10) as conn:
+            for tube in result:
+                stats = conn.stats_tube(tube) or {}
+                for key in keys:
+                    result[tube][key] += int(stats.get(key, 0))
+    return result
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def console():
+    """A rich Console; when output is not a terminal (piped, captured), 110 columns instead of 80."""
+    from rich.console import Console
+
+    con = Console(highlight=False)
+    if not con.is_terminal and con.width < 110:
+        con = Console(highlight=False, width=110)
+    return con

@@ -1,0 +1,496 @@
+"""The operator verbs of `spark-beanstalk` against real server processes.
+
+Every test that takes `server` runs twice: against our broker and against beanstalkd
+1.12 (`-k beanstalkd` / `-k ours` to pick one). The CLI runs in-process through click's
+CliRunner (fast), and once as a real subprocess for the unreachable-server error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from spark_beanstalk.cli import main
+from spark_beanstalk.client import Connection
+from spark_beanstalk.embedded import free_port
+from spark_beanstalk.ops import TopSampler
+
+VERBS_READ_ONLY = [
+    ["stats"],
+    ["stats", "default"],
+    ["tubes"],
+    ["peek", "1"],
+    ["peek", "--buried", "default"],
+    ["top", "-n", "1"],
+]
+VERBS_WRITING = [
+    ["put", "hello"],
+    ["kick", "5"],
+    ["kick", "--job", "1"],
+    ["delete", "1"],
+    ["pause", "default", "5"],
+]
+
+
+def cli(server, *args: str, input: str | bytes | None = None, env: dict | None = None):
+    """Run `spark-beanstalk ARGS -H server` in-process and return click's Result."""
+    runner = CliRunner()
+    argv = list(args)
+    if server is not None:
+        argv += ["-H", server.address]
+    return runner.invoke(main, argv, input=input, env=env, catch_exceptions=False)
+
+
+def cli_json(server, *args: str, input: str | bytes | None = None):
+    result = cli(server, *args, "--json", input=input)
+    assert result.exit_code == 0, (result.output, result.stderr)
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def conn(server, conn_factory):
+    return conn_factory(server)
+
+
+# --- put / peek -----------------------------------------------------------------------------
+
+
+def test_put_from_argument_then_peek_by_id(server, conn):
+    out = cli_json(server, "put", "hello world", "--tube", "emails", "--priority", "7", "--ttr", "30")
+    assert out["tube"] == "emails" and out["status"] == "inserted"
+    job_id = out["id"]
+
+    peeked = cli_json(server, "peek", str(job_id))
+    assert peeked["id"] == job_id
+    assert peeked["body"] == "hello world" and peeked["body_encoding"] == "utf-8"
+    assert peeked["tube"] == "emails" and peeked["state"] == "ready"
+    assert peeked["stats"]["pri"] == 7 and peeked["stats"]["ttr"] == 30
+
+    stats = conn.stats_job(job_id)
+    assert stats["tube"] == "emails" and stats["pri"] == 7
+
+    human = cli(server, "peek", str(job_id))
+    assert human.exit_code == 0
+    assert "hello world" in human.stdout and f"job {job_id}" in human.stdout and "emails" in human.stdout
+
+
+def test_put_from_stdin_strips_one_newline(server, conn):
+    out = cli_json(server, "put", "--tube", "in", input='{"a": 1}\n')
+    assert conn.peek(out["id"]).body == b'{"a": 1}'
+    kept = cli_json(server, "put", "-", "--tube", "in", "--keep-newline", input="x\n")
+    assert conn.peek(kept["id"]).body == b"x\n"
+
+
+def test_put_each_line(server, conn):
+    out = cli_json(server, "put", "--each-line", "--tube", "lines", input="one\ntwo\r\n\nthree\n")
+    assert out["count"] == 3 and out["tube"] == "lines" and out["buried"] == []
+    assert [conn.peek(i).body for i in out["ids"]] == [b"one", b"two", b"three"]
+    assert conn.stats_tube("lines")["current-jobs-ready"] == 3
+
+    human = cli(server, "put", "--each-line", "-t", "lines", input="four\nfive\n")
+    assert human.exit_code == 0 and "put 2 job(s) into tube 'lines'" in human.stdout
+
+
+def test_put_delay_and_binary_body(server, conn):
+    body = bytes(range(256))
+    out = cli_json(server, "put", "--tube", "bin", "--delay", "100", input=body + b"\x00")
+    assert conn.stats_job(out["id"])["state"] == "delayed"
+
+    peeked = cli_json(server, "peek", "--delayed", "bin")
+    assert peeked["id"] == out["id"] and peeked["body_encoding"] == "base64"
+    import base64
+
+    assert base64.b64decode(peeked["body"]) == body + b"\x00"
+
+    raw = CliRunner().invoke(main, ["peek", str(out["id"]), "--raw", "-H", server.address])
+    assert raw.exit_code == 0 and raw.stdout_bytes == body + b"\x00"
+
+    human = cli(server, "peek", "--delayed", "bin")  # binary shown as a repr, not garbage
+    assert human.exit_code == 0 and "256" not in human.stderr
+
+
+def test_put_job_too_big_is_one_clear_line(server_factory, server):
+    small = server_factory(server.kind, extra_args=["-z", "10"])
+    result = cli(small, "put", "x" * 11)
+    assert result.exit_code == 1
+    assert "JOB_TOO_BIG" in result.stderr and "max job size" in result.stderr
+    assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+    assert cli(small, "put", "x" * 10).exit_code == 0
+
+
+def test_put_rejects_bad_priority_and_tube(server):
+    result = cli(server, "put", "x", "--priority", str(2**32))
+    assert result.exit_code == 2 and "priority" in result.stderr.lower()
+    result = cli(server, "put", "x", "--tube", "-bad")
+    assert result.exit_code == 1 and "bad tube name" in result.stderr
+
+
+def test_peek_states_and_not_found(server, conn):
+    conn.use("work")
+    ready_id = conn.put(b"r1", priority=5)
+    conn.put(b"r2", priority=9)
+    delayed_id = conn.put(b"d", delay=300)
+    conn.watch("work")
+    buried = conn.reserve(0)
+    assert buried.id == ready_id and conn.bury(buried.id)
+
+    assert cli_json(server, "peek", "--ready", "work")["body"] == "r2"
+    assert cli_json(server, "peek", "--delayed", "work")["id"] == delayed_id
+    got = cli_json(server, "peek", "--buried", "work")
+    assert got["id"] == ready_id and got["state"] == "buried" and got["stats"]["buries"] == 1
+
+    missing = cli(server, "peek", "999999")
+    assert missing.exit_code == 1 and "job 999999 not found" in missing.stderr
+    empty = cli(server, "peek", "--buried", "nothing-here")
+    assert empty.exit_code == 1 and "no buried job in tube 'nothing-here'" in empty.stderr
+
+    usage = cli(server, "peek", "1", "--ready", "work")
+    assert usage.exit_code == 2 and "exactly one of" in usage.stderr
+    usage = cli(server, "peek")
+    assert usage.exit_code == 2
+
+
+# --- stats / tubes -----------------------------------------------------------------------------
+
+
+def test_stats_server_and_tube(server, conn):
+    conn.use("alpha")
+    conn.put(b"1")
+    conn.put(b"2", delay=60)
+
+    stats = cli_json(server, "stats")
+    assert stats["current-jobs-ready"] == 1 and stats["current-jobs-delayed"] == 1
+    assert stats["total-jobs"] == 2 and "uptime" in stats and "version" in stats
+
+    tube = cli_json(server, "stats", "alpha")
+    assert tube["name"] == "alpha"
+    assert tube["current-jobs-ready"] == 1 and tube["current-jobs-delayed"] == 1 and tube["total-jobs"] == 2
+
+    human = cli(server, "stats", "alpha")
+    assert human.exit_code == 0 and "current-jobs-delayed" in human.stdout and "alpha" in human.stdout
+    human = cli(server, "stats")
+    assert human.exit_code == 0 and "current-connections" in human.stdout
+
+    missing = cli(server, "stats", "no-such-tube")
+    assert missing.exit_code == 1 and "tube 'no-such-tube' not found" in missing.stderr
+
+
+def test_tubes_lists_counts_by_state(server, conn):
+    conn.use("a")
+    for i in range(3):
+        conn.put(b"a%d" % i)
+    conn.use("b")
+    conn.put(b"b-delayed", delay=120)
+    conn.put(b"b-ready", priority=10)
+    conn.watch("b")
+    conn.ignore("default")
+    held = conn.reserve(0)
+    assert held is not None
+
+    tubes = {t["name"]: t for t in cli_json(server, "tubes")}
+    assert set(tubes) == {"a", "b", "default"}
+    assert tubes["a"]["current-jobs-ready"] == 3
+    assert tubes["b"]["current-jobs-reserved"] == 1 and tubes["b"]["current-jobs-delayed"] == 1
+    assert tubes["b"]["current-watching"] == 1
+
+    human = cli(server, "tubes")
+    assert human.exit_code == 0
+    lines = {line.split()[1]: line for line in human.stdout.splitlines() if line.startswith("│")}
+    assert lines["a"].split()[3] == "3"  # │ a │ 3 │ ...: the ready column
+
+
+def test_tube_named_like_a_number(server, conn):
+    conn.use("123")
+    conn.put(b"x")
+    assert [t["name"] for t in cli_json(server, "tubes") if t["name"] != "default"] == ["123"]
+    assert cli_json(server, "stats", "123")["name"] == "123"
+
+
+# --- kick / delete / pause -------------------------------------------------------------------
+
+
+def _bury(conn: Connection, tube: str, n: int) -> list[int]:
+    conn.use(tube)
+    ids = [conn.put(b"job-%d" % i) for i in range(n)]
+    conn.watch(tube)
+    for _ in ids:
+        job = conn.reserve(0)
+        assert conn.bury(job.id)
+    return ids
+
+
+def test_kick_bound_all_and_job(server, conn):
+    ids = _bury(conn, "k", 5)
+    assert cli_json(server, "kick", "--tube", "k") == {"tube": "k", "kicked": 1}
+    assert cli_json(server, "kick", "2", "--tube", "k") == {"tube": "k", "kicked": 2}
+    assert conn.stats_tube("k")["current-jobs-buried"] == 2
+
+    last = ids[-1]
+    assert cli_json(server, "kick", "--job", str(last)) == {"id": last, "kicked": 1}
+    assert conn.stats_job(last)["state"] == "ready"
+    again = cli(server, "kick", "--job", str(last))
+    assert again.exit_code == 1 and "not kicked" in again.stderr
+
+    human = cli(server, "kick", "--all", "-t", "k")
+    assert human.exit_code == 0 and "kicked 1 job(s) in tube 'k'" in human.stdout
+    assert conn.stats_tube("k")["current-jobs-buried"] == 0
+
+    conn.put(b"later", delay=300)
+    assert cli_json(server, "kick", "--all", "-t", "k")["kicked"] == 1  # no buried: delayed ones move
+    assert conn.stats_tube("k")["current-jobs-delayed"] == 0
+
+    assert cli(server, "kick", "--job", "1", "3").exit_code == 2
+
+
+def test_delete_by_id_and_by_state(server, conn):
+    conn.use("d")
+    a, b = conn.put(b"a"), conn.put(b"b")
+    out = cli(server, "delete", str(a), "999999", "--json")
+    assert out.exit_code == 1
+    assert json.loads(out.stdout) == {"deleted": [a], "not_found": [999999]}
+    assert "999999" in out.stderr and "not found" in out.stderr
+    assert conn.peek(a) is None and conn.peek(b) is not None
+
+    human = cli(server, "delete", str(b))
+    assert human.exit_code == 0 and f"deleted job {b}" in human.stdout
+
+    buried = _bury(conn, "d", 4)
+    assert cli_json(server, "delete", "--buried", "d")["deleted"] == [buried[0]]
+    assert cli_json(server, "delete", "--buried", "d", "--count", "2")["deleted"] == buried[1:3]
+    assert cli_json(server, "delete", "--buried", "d", "--all")["deleted"] == [buried[3]]
+    assert cli_json(server, "delete", "--buried", "d", "--all")["deleted"] == []
+
+    conn.use("d")
+    ready = [conn.put(b"r") for _ in range(3)]
+    human = cli(server, "delete", "--ready", "d", "--all")
+    assert human.exit_code == 0 and "deleted 3 ready job(s) from tube 'd'" in human.stdout
+    assert all(conn.peek(i) is None for i in ready)
+
+    assert cli(server, "delete").exit_code == 2
+
+
+def test_delete_reserved_job_is_refused(server, conn, conn_factory):
+    conn.use("held")
+    job_id = conn.put(b"x")
+    conn.watch("held")
+    assert conn.reserve(0).id == job_id
+    result = cli(server, "delete", str(job_id))
+    assert result.exit_code == 1 and "reserved by another connection" in result.stderr
+    assert conn.stats_job(job_id)["state"] == "reserved"
+
+
+def test_pause_and_unpause(server, conn):
+    conn.use("p")
+    conn.put(b"x")
+    assert cli_json(server, "pause", "p", "60") == {"tube": "p", "paused": 60}
+    stats = conn.stats_tube("p")
+    assert stats["pause"] == 60 and stats["pause-time-left"] > 0
+    conn.watch("p")
+    conn.ignore("default")
+    assert conn.reserve(0) is None  # paused: nothing handed out
+
+    human = cli(server, "pause", "p", "0")
+    assert human.exit_code == 0 and "unpaused" in human.stdout
+    assert conn.reserve(0) is not None
+
+    missing = cli(server, "pause", "nope", "3")
+    assert missing.exit_code == 1 and "tube 'nope' not found" in missing.stderr
+
+
+# --- top ---------------------------------------------------------------------------------------
+
+
+def test_top_json_iterations(server, conn):
+    conn.use("t1")
+    conn.put(b"x")
+    conn.put(b"y", delay=100)
+    result = cli(server, "top", "--iterations", "2", "--interval", "0.1", "--json")
+    assert result.exit_code == 0, result.stderr
+    frames = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(frames) == 2
+    tubes = {t["name"]: t for t in frames[1]["tubes"]}
+    assert tubes["t1"]["ready"] == 1 and tubes["t1"]["delayed"] == 1 and tubes["t1"]["total"] == 2
+    assert frames[0]["tubes"][0]["put_rate"] is None  # no rate before a second sample
+    assert tubes["t1"]["put_rate"] == 0.0
+    assert frames[1]["server"]["current-jobs-ready"] == 1
+
+
+def test_top_rates_follow_puts_and_deletes(server, conn):
+    sampler = TopSampler(conn, ("rate",))
+    first = sampler.sample()
+    assert first["rates"] == {}
+
+    other = Connection(server.host, server.port)
+    try:
+        other.use("rate")
+        ids = [other.put(b"j") for _ in range(50)]
+        for job_id in ids[:20]:
+            assert other.delete(job_id)
+    finally:
+        other.close()
+    second = sampler.sample()
+    put_rate, delete_rate = second["rates"]["rate"]
+    elapsed = 50 / put_rate
+    assert delete_rate == pytest.approx(20 / elapsed)
+    assert second["server_rates"]["cmd-put"] == pytest.approx(put_rate)
+    assert set(second["tubes"]) == {"rate"}
+
+
+def test_top_human_view(server, conn):
+    conn.use("shown")
+    conn.put(b"x")
+    result = cli(server, "top", "-n", "2", "-i", "0.05", "--tube", "shown")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("put/s") >= 2  # each refresh printed (stdout is not a terminal)
+    assert "shown" in result.stdout and "default" not in result.stdout.split("(every")[1]
+
+
+# --- host selection and an unreachable server ---------------------------------------------------
+
+
+def test_host_from_environment(server):
+    result = CliRunner().invoke(main, ["stats", "--json"], env={"SPARK_BEANSTALK_HOST": server.address})
+    assert result.exit_code == 0 and "uptime" in json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("verb", VERBS_READ_ONLY + VERBS_WRITING, ids=lambda v: "-".join(v))
+def test_unreachable_server_exits_2_with_one_line(verb):
+    dead = f"127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(main, [*verb, "-H", dead], catch_exceptions=False)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert f"cannot connect to a beanstalkd server at {dead}" in lines[0]
+
+
+def test_unreachable_server_as_a_real_process():
+    dead = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "tubes", "--json"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "SPARK_BEANSTALK_HOST": dead})
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: cannot connect to a beanstalkd server at {dead}: Connection refused "
+        f"(is it running? set --host or $SPARK_BEANSTALK_HOST)"
+    ]
+
+
+def test_bad_host_option():
+    result = CliRunner().invoke(main, ["tubes", "-H", "localhost:notaport"])
+    assert result.exit_code == 2 and "bad --host" in result.stderr
+
+
+def test_lost_connection_is_a_clear_error(server):
+    """The server goes away mid-`top`: one line, exit 2."""
+    import threading
+
+    def kill_soon():
+        server.kill()
+
+    timer = threading.Timer(0.3, kill_soon)
+    timer.start()
+    try:
+        result = cli(server, "top", "-n", "0", "-i", "0.05", "--json")
+    finally:
+        timer.cancel()
+    assert result.exit_code == 2
+    assert "lost the connection" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- TLS and token auth (our broker's extensions; beanstalkd has neither) ------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    import datetime as dt
+    import ipaddress
+
+    pytest.importorskip("cryptography")  # a test dependency (pyproject's [test] extra)
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    d = tmp_path_factory.mktemp("ops-tls")
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(cn, key, issuer, issuer_key, ca=False, usage=None, san=None):
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+             .not_valid_after(now + dt.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def write(stem, crt, key):
+        (d / f"{stem}.crt").write_bytes(crt.public_bytes(serialization.Encoding.PEM))
+        (d / f"{stem}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("ops test CA", ca_key, name("ops test CA"), ca_key, ca=True)
+    write("ca", ca, ca_key)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    write("server", cert("localhost", server_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                         san=[x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), server_key)
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    write("client", cert("operator", client_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH),
+          client_key)
+    return d
+
+
+def test_tls_with_client_certificate(server_factory, tls_files):
+    d = tls_files
+    srv = server_factory("ours", extra_args=["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"),
+                                             "--tls-client-ca", str(d / "ca.crt")])
+    creds = ["--ca-file", str(d / "ca.crt"), "--cert-file", str(d / "client.crt"), "--key-file", str(d / "client.key")]
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(main, list(args), catch_exceptions=False)
+
+    put = run("put", "over tls", "-t", "secure", "-H", f"tls://{srv.address}", *creds, "--json")
+    assert put.exit_code == 0, put.stderr
+    job_id = json.loads(put.stdout)["id"]
+    peek = run("peek", str(job_id), "-H", srv.address, "--tls", *creds, "--json")
+    assert peek.exit_code == 0 and json.loads(peek.stdout)["body"] == "over tls"
+    tubes = run("tubes", "-H", f"tls://{srv.address}", *creds, "--json")
+    assert tubes.exit_code == 0 and "secure" in {t["name"] for t in json.loads(tubes.stdout)}
+
+    untrusted = run("tubes", "-H", f"tls://{srv.address}", "--cert-file", str(d / "client.crt"),
+                    "--key-file", str(d / "client.key"))  # the system CAs do not know our CA
+    assert untrusted.exit_code == 2 and "TLS handshake" in untrusted.stderr
+    assert len(untrusted.stderr.strip().splitlines()) == 1
+
+
+def test_token_auth(server_factory, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    srv = server_factory("ours", extra_args=["--auth-token-file", str(token)])
+
+    refused = cli(srv, "stats")
+    assert refused.exit_code == 2
+    assert "requires authentication" in refused.stderr and "--token-file" in refused.stderr
+
+    ok = cli(srv, "put", "with token", "--token-file", str(token), "--json")
+    assert ok.exit_code == 0, ok.stderr
+    from_env = CliRunner().invoke(main, ["tubes", "-H", srv.address, "--json"],
+                                  env={"SPARK_BEANSTALK_TOKEN_FILE": str(token)})
+    assert from_env.exit_code == 0 and any(t["current-jobs-ready"] == 1 for t in json.loads(from_env.stdout))
+
+    bad = cli(srv, "tubes", "--token-file", str(wrong))
+    assert bad.exit_code == 2 and "refused the token" in bad.stderr and "Traceback" not in bad.output

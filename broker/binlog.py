@@ -15,8 +15,9 @@ kernel (a SIGKILL loses nothing that was acknowledged, whatever the fsync mode).
   unsynced data (``os.fdatasync`` releases the GIL);
 * ``-F``: never on the write path.
 
-Segments. Records go to ``binlog.<index>.sbl`` files of ``-s`` bytes, preallocated with
-``posix_fallocate`` (a write into preallocated space cannot fail for lack of space). A live
+Segments. Records go to ``binlog.<index>.sbl`` files of ``-s`` bytes, allocated ahead of the
+writes with ``posix_fallocate``, 1 MiB at a time (a write into allocated space cannot fail
+for lack of space). A live
 job belongs to the segment that holds its latest full (K_JOB) record; ``job.file`` is that
 index (``stats-job`` shows it, as beanstalkd does). Per-segment live counts decide when a
 segment can go: segments are deleted oldest first, and only while the oldest one holds no
@@ -72,10 +73,11 @@ import zlib
 from array import array
 
 from broker import binlog_format as fmt
-from broker.queue import BURIED, DELAYED, INVALID, READY, RESERVED, Queue, QueueListener, StorageFull
+from broker.queue import BURIED, DELAYED, INVALID, READY, Queue, QueueListener, StorageFull
 
 NS = 1_000_000_000
 SLACK = 512  # room kept beyond the delete reserve: next segment header, fragmentation
+CHUNK = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
 MIGRATE_BUDGET = 256 * 1024  # bytes of records moved forward per reply batch at most
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _DEL = fmt.DELETE_RECORD_SIZE
@@ -131,7 +133,8 @@ class _Recovered:
     def __init__(self) -> None:
         self.jobs: dict[int, int] = {}  # id -> location of its latest K_JOB record
         self.updates: dict[int, tuple[int, tuple]] = {}  # id -> (location, K_UPDATE fields) newer than it
-        self.datas: list[bytes] = []  # segment contents, by position
+        self.datas: list[bytes | None] = []  # segment contents, by position
+        self.full_ids: list[array] = []  # by position: ids of the K_JOB records in that segment
         self.indexes: list[int] = []  # segment index, by position
         self.max_id = 0
         self.records = 0
@@ -155,6 +158,7 @@ class Binlog(QueueListener):
         self.dir = os.path.abspath(directory)
         self.fsync_ms = fsync_ms
         self.seg_size = max(int(segment_size), fmt.HEADER_SIZE + 1024)
+        self._chunk = min(self.seg_size, CHUNK)  # segments are allocated this much at a time
         self.ignore_damage = ignore_damage
         self.queue: Queue | None = None
         self._wall_off = time.time_ns() - time.monotonic_ns()
@@ -311,6 +315,9 @@ class Binlog(QueueListener):
             base = len(rec.datas) << _LOC_BITS
             rec.datas.append(data)
             rec.indexes.append(idx)
+            seg_ids = array("Q")
+            rec.full_ids.append(seg_ids)
+            add_id = seg_ids.append
             mv = memoryview(data)
             pos = fmt.HEADER_SIZE
             valid_end = pos
@@ -349,6 +356,7 @@ class Binlog(QueueListener):
                         continue
                     jid = id_unpack(data, start + 1)[0]
                     jobs[jid] = base | pos
+                    add_id(jid)
                     if updates:
                         updates.pop(jid, None)
                     if jid > max_id:
@@ -359,7 +367,7 @@ class Binlog(QueueListener):
                         updates[u[1]] = (base | pos, u)
                 elif kind == K_DELETE and length == DELETE_SIZE:
                     jid = id_unpack(data, start + 1)[0]
-                    pass
+                    jobs.pop(jid, None)
                     if updates:
                         updates.pop(jid, None)
                     if jid > max_id:
@@ -466,12 +474,15 @@ class Binlog(QueueListener):
         self._maintain(full=True)
 
     def _restore_records(self, rec: _Recovered):
-        """Decode the latest record of every live job: restore_job argument tuples, buried jobs last."""
+        """Decode the latest record of every live job: restore_job argument tuples, buried jobs last.
+
+        Goes segment by segment in log order and lets go of each segment's contents once its
+        jobs are restored, so that the log is not held in memory next to the restored jobs.
+        """
         off = self._wall_off
         jobs = rec.jobs
         updates = rec.updates
         datas = rec.datas
-        indexes = rec.indexes
         job_unpack = _JOB.unpack_from
         frame_unpack = _FRAME.unpack_from
         tube_names: dict[bytes, str] = {}
@@ -481,40 +492,50 @@ class Binlog(QueueListener):
         buried = []
         n = 0
         nbytes = 0
-        while jobs:
-            jid, loc = jobs.popitem()
-            data = datas[loc >> _LOC_BITS]
-            pos = loc & _LOC_MASK
-            length = frame_unpack(data, pos)[0]
-            f = job_unpack(data, pos + 8)
-            tstart = pos + 8 + JOB_SIZE
-            bstart = tstart + f[13]
-            tb = data[tstart:bstart]
-            name = tube_names.get(tb)
-            if name is None:
-                name = tube_names[tb] = tb.decode("latin-1")
-            home = indexes[loc >> _LOC_BITS]
-            live[home] += 1
-            ids[home].append(jid)
-            nbytes += length + 8
-            n += 1
-            u = updates.pop(jid, None) if updates else None
-            if u is not None:
-                seq, (_, _, state, pri, delay, deadline, r1, r2, r3, r4, r5) = u
-            else:
-                seq = loc
-                _, _, state, pri, delay, ttr, created, deadline, r1, r2, r3, r4, r5, _ = f
-            if state == BURIED:
-                buried.append((seq, (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], BURIED, 0,
-                                     f[6] - off, (r1, r2, r3, r4, r5), home)))
-                continue
-            if state == DELAYED:
-                deadline -= off
-            else:
-                state = READY
-            yield (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], state, deadline, f[6] - off,
-                   (r1, r2, r3, r4, r5), home)
-        rec.datas = []
+        for seg_no, seg_ids in enumerate(rec.full_ids):
+            data = datas[seg_no]
+            home = rec.indexes[seg_no]
+            home_ids = ids[home]
+            restored_here = 0
+            get = jobs.get
+            for jid in seg_ids:
+                loc = get(jid)
+                if loc is None or loc >> _LOC_BITS != seg_no:
+                    continue  # deleted, or a later K_JOB record of it exists
+                del jobs[jid]
+                pos = loc & _LOC_MASK
+                length = frame_unpack(data, pos)[0]
+                f = job_unpack(data, pos + 8)
+                tstart = pos + 8 + JOB_SIZE
+                bstart = tstart + f[13]
+                tb = data[tstart:bstart]
+                name = tube_names.get(tb)
+                if name is None:
+                    name = tube_names[tb] = tb.decode("latin-1")
+                home_ids.append(jid)
+                restored_here += 1
+                nbytes += length + 8
+                u = updates.pop(jid, None) if updates else None
+                if u is not None:
+                    seq, (_, _, state, pri, delay, deadline, r1, r2, r3, r4, r5) = u
+                else:
+                    seq = loc
+                    _, _, state, pri, delay, _ttr, _created, deadline, r1, r2, r3, r4, r5, _ = f
+                if state == BURIED:
+                    buried.append((seq, (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], BURIED, 0,
+                                         f[6] - off, (r1, r2, r3, r4, r5), home)))
+                    continue
+                if state == DELAYED:
+                    deadline -= off
+                else:
+                    state = READY
+                yield (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], state, deadline, f[6] - off,
+                       (r1, r2, r3, r4, r5), home)
+            live[home] += restored_here
+            n += restored_here
+            datas[seg_no] = None  # the bodies were copied out: let the segment go
+            rec.full_ids[seg_no] = None
+            data = None
         self._restored = n
         self._restored_bytes = nbytes
         self._restored_buried = len(buried)
@@ -553,7 +574,7 @@ class Binlog(QueueListener):
     # ------------------------------------------------------------------ segments
     def _start_segment(self, idx: int) -> None:
         """Create, allocate and start writing segment ``idx`` (used at open)."""
-        fd, alloc = self._create_segment(idx, self.seg_size, fmt.HEADER_SIZE + SLACK)
+        fd, alloc = self._create_segment(idx, self._chunk, fmt.HEADER_SIZE + SLACK)
         if fd < 0:
             raise BinlogError(f"cannot allocate a binlog segment in {self.dir}: disk full")
         self._activate(fd, idx, alloc)
@@ -614,9 +635,14 @@ class Binlog(QueueListener):
                 return False
         # finish the current segment: everything in it on disk before anything goes to the next
         self._flush()
-        if not self._write_error:
+        if self._buf:
+            return False  # the old segment cannot be finished (write error): stay on it
+        try:
             os.ftruncate(self._fd, self._pos)  # give back the allocated space it will not use
-        self._sync_now()
+            self._sync_now()
+        except OSError as exc:
+            self._io_failed("finishing a segment", exc)
+            return False
         _crash_point("rotate-old-synced")
         old = self._fd
         self._size[self._cur] = self._pos
@@ -625,19 +651,13 @@ class Binlog(QueueListener):
         self._spare_fd, self._spare_room, self._spare_alloc = -1, 0, 0
         self._activate(fd, self._cur + 1, alloc)
         os.close(old)
-        if alloc < self.seg_size:
-            try:
-                os.posix_fallocate(fd, 0, self.seg_size)
-                self._alloc = self.seg_size
-            except OSError:
-                pass
         self._maint = True
         return True
 
     def _make_spare(self, need: int) -> bool:
         """Allocate the next segment ahead of time (for the delete reserve, or for a rotation)."""
         if self._spare_fd >= 0:
-            want = fmt.HEADER_SIZE + need
+            want = fmt.HEADER_SIZE + need + self._chunk  # headroom: not a fallocate per put
             try:
                 os.posix_fallocate(self._spare_fd, 0, want)
             except OSError:
@@ -649,12 +669,36 @@ class Binlog(QueueListener):
         if now < self._spare_retry_at:
             return False
         reserve = self._nlive * _DEL + SLACK
-        want = max(self.seg_size, fmt.HEADER_SIZE + need + reserve)
+        want = max(self._chunk, fmt.HEADER_SIZE + need + reserve)
         fd, alloc = self._create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
         if fd < 0:
             self._spare_retry_at = now + 0.5  # full disk: do not retry on every put
             return False
         self._spare_fd, self._spare_alloc, self._spare_room = fd, alloc, alloc - fmt.HEADER_SIZE
+        return True
+
+    def _grow(self, upto: int) -> None:
+        """Allocate more of the current segment (a chunk at a time, never beyond -s bytes)."""
+        target = min(self.seg_size, max(self._alloc + self._chunk, upto))
+        if target > self._alloc:
+            try:
+                os.posix_fallocate(self._fd, 0, target)
+                self._alloc = target
+            except OSError:
+                pass  # full disk: the caller rotates into the spare or refuses
+
+    def _fit(self, size: int, reserve: int) -> bool:
+        """Make room for a ``size``-byte record that leaves ``reserve`` allocated bytes; False: no room on disk."""
+        if size > self._alloc - self._pos:
+            self._grow(self._pos + size)
+            if size > self._alloc - self._pos and not self._rotate(size):
+                return False
+        if reserve and self._room_after(size) < reserve:
+            self._grow(self._pos + size + reserve)
+            if self._room_after(size) < reserve:
+                self._make_spare(reserve + size)
+                if self._room_after(size) < reserve:
+                    return False
         return True
 
     def _room_after(self, size: int) -> int:
@@ -703,13 +747,8 @@ class Binlog(QueueListener):
         """Slow path of job_put: rotate, allocate a spare, or refuse the job (StorageFull)."""
         if self._write_error:
             raise StorageFull(self._write_error)
-        if size > self._alloc - self._pos and not self._rotate(size):
-            raise StorageFull("binlog: no room for a new segment")
-        reserve = (self._nlive + 1) * _DEL + SLACK
-        if self._room_after(size) < reserve:
-            self._make_spare(reserve + size)
-            if self._room_after(size) < reserve:
-                raise StorageFull("binlog: disk full")
+        if not self._fit(size, (self._nlive + 1) * _DEL + SLACK):
+            raise StorageFull("binlog: disk full")
 
     def _write_full(self, job, force: bool = False) -> bool:
         """Append the job's complete current state (compaction / rewrite); the job moves to the current segment."""
@@ -719,12 +758,7 @@ class Binlog(QueueListener):
             tb = self._tube_bytes[name] = name.encode("latin-1")
         body = job.body
         size = _FIXED + len(tb) + len(body)
-        reserve = self._nlive * _DEL + SLACK
-        if self._room_after(size) < reserve and not force:
-            self._make_spare(reserve + size)
-            if self._room_after(size) < reserve:
-                return False
-        if size > self._alloc - self._pos and not self._rotate(size):
+        if not self._fit(size, 0 if force else self._nlive * _DEL + SLACK):
             return False
         state = job.state
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
@@ -753,8 +787,9 @@ class Binlog(QueueListener):
         if state == INVALID:
             return
         size = fmt.UPDATE_RECORD_SIZE
-        if size > self._alloc - self._pos or self._room_after(size) < self._nlive * _DEL + SLACK:
-            if not self._update_room(size):
+        reserve = self._nlive * _DEL + SLACK
+        if size > self._alloc - self._pos or self._room_after(size) < reserve:
+            if not self._fit(size, reserve):
                 self._skipped_updates += 1
                 if self._skipped_updates in (1, 10, 100, 1000) or not self._skipped_updates % 10000:
                     _say(f"WARNING: disk full: {self._skipped_updates} job state change(s) not logged "
@@ -769,18 +804,8 @@ class Binlog(QueueListener):
         self._pos += size
         self.records_written += 1
 
-    def _update_room(self, size: int) -> bool:
-        reserve = self._nlive * _DEL + SLACK
-        if self._room_after(size) < reserve:
-            self._make_spare(reserve + size)
-            if self._room_after(size) < reserve:
-                return False
-        if size > self._alloc - self._pos:
-            return self._rotate(size)
-        return True
-
     def job_deleted(self, job) -> None:
-        if _DEL > self._alloc - self._pos and not self._rotate(_DEL):
+        if _DEL > self._alloc - self._pos and not self._fit(_DEL, 0):
             _say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
             return
         payload = _DELETE.pack(3, job.id)
@@ -806,7 +831,10 @@ class Binlog(QueueListener):
         if self._buf:
             self._flush()
         if self.fsync_ms == 0 and self._dirty:
-            self._sync_now()
+            try:
+                self._sync_now()
+            except OSError as exc:
+                self._io_failed("fdatasync", exc)
 
     def _flush(self) -> None:
         """Write the buffer to the current segment (one os.write, normally)."""
@@ -835,6 +863,13 @@ class Binlog(QueueListener):
         self._dirty = True
         if self._thread is not None and not self._wake.is_set():
             self._wake.set()
+
+    def _io_failed(self, what: str, exc: OSError) -> None:
+        """An fsync or file operation failed: say so, refuse new jobs until a write works again."""
+        msg = f"binlog {what} failed: {exc.strerror or exc}"
+        if self._write_error != msg:
+            _say(f"ERROR: {msg} ({self.dir}); new jobs are refused until writing works again")
+        self._write_error = msg
 
     def _sync_now(self) -> None:
         with self._fd_lock:
@@ -932,17 +967,22 @@ class Binlog(QueueListener):
             return
         # the records that superseded those segments must be on disk before they go
         self._flush()
-        self._sync_now()
-        _crash_point("compact-synced")
-        while len(order) > 1 and not live[order[0]]:
-            idx = order[0]
-            try:
-                os.unlink(self._path(idx))
-            except FileNotFoundError:
-                pass
-            _crash_point("compact-unlinked")
-            self._fsync_dir()
-            self._forget(idx)
+        if self._buf:
+            return
+        try:
+            self._sync_now()
+            _crash_point("compact-synced")
+            while len(order) > 1 and not live[order[0]]:
+                idx = order[0]
+                try:
+                    os.unlink(self._path(idx))
+                except FileNotFoundError:
+                    pass
+                _crash_point("compact-unlinked")
+                self._fsync_dir()
+                self._forget(idx)
+        except OSError as exc:
+            self._io_failed("deleting an old segment", exc)
 
     def _forget(self, idx: int) -> None:
         self._order.remove(idx)
@@ -991,7 +1031,8 @@ class Binlog(QueueListener):
                     os.unlink(self._path(self._cur + 1))
                 except FileNotFoundError:
                     pass
-            self._fsync_dir()
+            if self._dirfd >= 0:
+                os.fsync(self._dirfd)
         finally:
             if self._dirfd >= 0:
                 os.close(self._dirfd)

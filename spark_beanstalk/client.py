@@ -401,3 +401,59 @@ def _pipeline_lines(self: Connection, commands: Sequence[bytes], window: int = 1
 
 
 Connection.pipeline_lines = _pipeline_lines  # type: ignore[attr-defined]
+
+
+# -- appended for the source (spark_beanstalk/source.py) ------------------------------------
+def _pipeline_replies(self: Connection, commands: Sequence[bytes], chunk: int = 1024) -> list[tuple[bytes, bytes | None]]:
+    """Send pre-encoded commands in chunks (two chunks in flight) and return every reply as
+    ``(status line, body or None)``, in order. Bodies come with RESERVED/FOUND/OK replies.
+
+    The fast path for bulk reserve / reserve-job / stats-job: one ``sendall`` per chunk
+    and no per-reply objects.
+    """
+    out: list[tuple[bytes, bytes | None]] = []
+    total = len(commands)
+    sent = 0
+    # prime: first chunk
+    if total:
+        upto = min(total, chunk)
+        self.send(b"".join(commands[:upto]))
+        sent = upto
+    pos = self._pos
+    while len(out) < total:
+        # keep the server busy: send the next chunk once we are reading the previous one
+        if sent < total and sent - len(out) <= chunk:
+            upto = min(total, sent + chunk)
+            self._pos = pos
+            self.send(b"".join(commands[sent:upto]))
+            sent = upto
+        buf = self._buf
+        end = buf.find(CRLF, pos)
+        if end < 0:
+            if pos > (1 << 20):      # drop what was consumed, so the buffer does not grow without bound
+                del buf[:pos]
+                pos = 0
+            self._pos = pos
+            self._fill()
+            pos = self._pos
+            continue
+        line = bytes(buf[pos:end])
+        status = line[:line.find(b" ")] if b" " in line else line
+        if status in _REPLIES_WITH_BODY and line != status:
+            size = int(line[line.rfind(b" ") + 1:])
+            need = end + 2 + size + 2
+            if len(buf) < need:
+                self._pos = pos
+                self._fill()
+                pos = self._pos
+                continue
+            out.append((line, bytes(buf[end + 2:end + 2 + size])))
+            pos = need
+        else:
+            out.append((line, None))
+            pos = end + 2
+    self._pos = pos
+    return out
+
+
+Connection.pipeline_replies = _pipeline_replies  # type: ignore[attr-defined]

@@ -113,8 +113,172 @@ def get_tubes(options: Mapping[str, str], key: str = "tubes", default: str = "de
 
 
 # --- Source options (spark.readStream.format("beanstalk")) -------------------------------
-# Owned by the source; see spark_beanstalk/source.py.
+# Owned by the source; see spark_beanstalk/source.py and docs/source.md (options table).
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Options of ``spark.readStream.format("beanstalk")``; ``parse`` is the only constructor users need."""
+
+    hosts: tuple[tuple[str, int], ...] = (("127.0.0.1", 11300),)
+    tubes: tuple[str, ...] = ("default",)
+    max_jobs_per_trigger: int = 20000        # 0: no limit (ReadAllAvailable)
+    num_partitions: int = 2                  # Spark partitions (and minimum reservation connections) per broker
+    reserve_timeout: int = 0                 # seconds latestOffset may block waiting for a first job
+    jobs_per_connection: int = 1000          # reserved jobs held on one connection at most
+    touch_fraction: float = 0.5              # touch a held job once this fraction of its TTR has passed
+    max_reserves: int = 0                    # bury a job reserved more than this many times; 0: never
+    replay_wait_seconds: float = 10.0        # on restart, how long to wait for a batch's jobs still held elsewhere
+    socket_timeout: float = 30.0             # seconds without a reply before a broker counts as lost
+    prefetch: bool = True                    # reserve the next batch's jobs while the current batch runs
+    prefetch_poll_ms: int = 20               # how often the read-ahead polls empty tubes
+
+    KEYS = (
+        "hosts", "tubes", "maxJobsPerTrigger", "numPartitions", "reserveTimeout", "jobsPerConnection",
+        "touchFraction", "maxReserves", "replayWaitSeconds", "socketTimeout", "prefetch", "prefetchPollMs",
+    )
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> "SourceOptions":
+        known = {k.lower() for k in cls.KEYS}
+        unknown = sorted(str(k) for k in options if str(k).lower() not in known)
+        if unknown:   # named as the user spelled them
+            raise OptionError(f"unknown beanstalk source option(s) {', '.join(unknown)}; "
+                              f"known options: {', '.join(cls.KEYS)}")
+        hosts = tuple(get_hosts(options, "hosts"))
+        if len(set(hosts)) != len(hosts):
+            raise OptionError(f"option hosts names a broker twice: {get_str(options, 'hosts', '')!r}")
+        tubes = get_tubes(options, "tubes")
+        if len(set(tubes)) != len(tubes):
+            raise OptionError(f"option tubes names a tube twice: {','.join(tubes)!r}")
+        touch_fraction = get_float(options, "touchFraction", 0.5, minimum=0.05)
+        if touch_fraction > 0.9:
+            raise OptionError(f"option touchFraction={touch_fraction} is above the maximum 0.9 "
+                              "(a job must be touched before its TTR runs out)")
+        socket_timeout = get_float(options, "socketTimeout", 30.0, minimum=1.0)
+        reserve_timeout = get_int(options, "reserveTimeout", 0, minimum=0, maximum=20)
+        if reserve_timeout >= socket_timeout:
+            raise OptionError(f"option reserveTimeout={reserve_timeout} must be below socketTimeout={socket_timeout}")
+        return cls(
+            hosts=hosts,
+            tubes=tuple(tubes),
+            max_jobs_per_trigger=get_int(options, "maxJobsPerTrigger", 20000, minimum=0),
+            num_partitions=get_int(options, "numPartitions", 2, minimum=1, maximum=256),
+            reserve_timeout=reserve_timeout,
+            jobs_per_connection=get_int(options, "jobsPerConnection", 1000, minimum=1, maximum=1_000_000),
+            touch_fraction=touch_fraction,
+            max_reserves=get_int(options, "maxReserves", 0, minimum=0),
+            replay_wait_seconds=get_float(options, "replayWaitSeconds", 10.0, minimum=0.0),
+            socket_timeout=socket_timeout,
+            prefetch=get_bool(options, "prefetch", True),
+            prefetch_poll_ms=get_int(options, "prefetchPollMs", 20, minimum=1, maximum=10_000),
+        )
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{host}:{port}" for host, port in self.hosts]
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
 # Owned by the writers; see spark_beanstalk/writer.py.
+
+#: Spark conf prefix: ``spark.beanstalk.<option>`` sets a writer option's default.
+WRITER_CONF_PREFIX = "spark.beanstalk."
+
+MAX_U32 = 2**32 - 1
+
+# Keys Spark itself may put into a sink's option map; accepted and ignored.
+_SPARK_PASSED_KEYS = {"path", "checkpointLocation", "queryName"}
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """Options of the beanstalk writers (foreachBatch ``beanstalk_put`` and the data source sinks).
+
+    Precedence: explicit options > ``spark.beanstalk.<key>`` Spark conf > defaults below.
+    """
+
+    hosts: tuple = (("127.0.0.1", 11300),)
+    tube: str = "default"
+    priority: int = 2**31
+    delay: int = 0
+    ttr: int = 120
+    key_column: str | None = None
+    distribution: str = "roundrobin"          # "hash" (by keyColumn) or "roundrobin"
+    dead_letter_path: str | None = None       # bad rows go here (JSON lines) instead of failing
+    validate: str = "partition"               # "partition" or "batch" (foreachBatch: pre-pass)
+    max_job_size: int = 0                     # 0: ask the servers (stats max-job-size)
+    window: int = 1024                        # unanswered puts per connection
+    timeout: float = 30.0                     # socket read timeout, seconds
+    connect_timeout: float = 5.0
+    retries: int = 2                          # extra rounds when every host is unavailable
+    retry_interval: float = 1.0               # seconds between those rounds
+    dedup: bool = True                        # skip a batch id whose completion marker exists
+    writer_id: str | None = None              # marker namespace; default: the streaming query id
+    marker_retain: int = 1000                 # markers kept per writer id
+    arrow: bool = True                        # data source: Arrow writer variants
+
+    KEYS = ("hosts", "tube", "priority", "delay", "ttr", "keyColumn", "distribution",
+            "deadLetterPath", "validate", "maxJobSize", "window", "timeout", "connectTimeout",
+            "retries", "retryInterval", "dedup", "writerId", "markerRetain", "arrow")
+
+    @classmethod
+    def conf_defaults(cls, conf: Mapping[str, str] | None) -> dict[str, str]:
+        """``spark.beanstalk.<key>`` entries of a Spark conf mapping, as writer option keys."""
+        known = {k.lower(): k for k in cls.KEYS}
+        out: dict[str, str] = {}
+        for key, value in (conf or {}).items():
+            k = str(key)
+            if k.lower().startswith(WRITER_CONF_PREFIX):
+                name = k[len(WRITER_CONF_PREFIX):]
+                if name.lower() in known:
+                    out[known[name.lower()]] = value
+        return out
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str] | None, conf: Mapping[str, str] | None = None) -> "WriterOptions":
+        """Validate writer options; ``conf`` (a Spark conf mapping) supplies defaults."""
+        explicit = {str(k): ("" if v is None else str(v)) for k, v in (options or {}).items()}
+        check_known({k: v for k, v in explicit.items() if k.lower() not in {p.lower() for p in _SPARK_PASSED_KEYS}},
+                    set(cls.KEYS), "beanstalk writer")
+        merged = _lower_keys(cls.conf_defaults(conf))
+        merged.update(_lower_keys(explicit))
+        o = merged
+        key_column = get_str(o, "keyColumn", "") or None
+        distribution = get_str(o, "distribution", "hash" if key_column else "roundrobin").lower().replace("-", "")
+        if distribution not in ("hash", "roundrobin"):
+            raise OptionError(f"option distribution={distribution!r}: allowed values are hash, roundrobin")
+        if distribution == "hash" and not key_column:
+            raise OptionError("option distribution=hash needs keyColumn (the column whose value picks the broker)")
+        validate = get_str(o, "validate", "partition").lower()
+        if validate not in ("partition", "batch"):
+            raise OptionError(f"option validate={validate!r}: allowed values are partition, batch")
+        tube = get_str(o, "tube", "default")
+        try:
+            check_tube_name(tube)
+        except OptionError as exc:
+            raise OptionError(f"option tube: {exc}") from None
+        return cls(
+            hosts=tuple(get_hosts(o, "hosts", "127.0.0.1:11300")),
+            tube=tube,
+            priority=get_int(o, "priority", 2**31, 0, MAX_U32),
+            delay=get_int(o, "delay", 0, 0, MAX_U32),
+            ttr=get_int(o, "ttr", 120, 0, MAX_U32),
+            key_column=key_column,
+            distribution=distribution,
+            dead_letter_path=get_str(o, "deadLetterPath", "") or None,
+            validate=validate,
+            max_job_size=get_int(o, "maxJobSize", 0, 0),
+            window=get_int(o, "window", 1024, 1, 1_000_000),
+            timeout=get_float(o, "timeout", 30.0, 0.001),
+            connect_timeout=get_float(o, "connectTimeout", 5.0, 0.001),
+            retries=get_int(o, "retries", 2, 0, 1000),
+            retry_interval=get_float(o, "retryInterval", 1.0, 0.0),
+            dedup=get_bool(o, "dedup", True),
+            writer_id=get_str(o, "writerId", "") or None,
+            marker_retain=get_int(o, "markerRetain", 1000, 1),
+            arrow=get_bool(o, "arrow", True),
+        )
+
+    def host_names(self) -> list[str]:
+        return [f"{h}:{p}" for h, p in self.hosts]

@@ -1,0 +1,1006 @@
+"""Put DataFrame rows into beanstalk tubes: ``foreachBatch(beanstalk_put)`` and the data source sinks.
+
+Rows are put from the executors, one partition at a time, pipelined on one connection
+per (partition, broker). Column mapping (names are case-insensitive):
+
+- ``body``: string (sent as UTF-8) or binary. Without a ``body`` column each row is
+  sent as a JSON object of its columns (minus the control columns below).
+- ``tube``, ``priority``, ``delay``, ``ttr``: optional per-row overrides of the options
+  of the same names; a null falls back to the option.
+
+Every row of a partition is checked (body size against the servers' max-job-size,
+tube name, priority/delay/ttr range, null body) before any row of that partition is
+sent, so a bad row fails its task with nothing of the partition written, or, with
+``deadLetterPath``, goes to a JSON-lines file there while the rest is put.
+
+See docs/writer.md for the options and the precise delivery guarantee.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from spark_beanstalk.client import Connection, ConnectionLost, encode_put
+from spark_beanstalk.options import (
+    MAX_U32,
+    TUBE_NAME_CHARS,
+    OptionError,
+    WriterOptions,
+)
+
+log = logging.getLogger("spark_beanstalk.writer")
+
+CONTROL_COLUMNS = ("tube", "priority", "delay", "ttr")
+DEFAULT_MAX_JOB_SIZE = 65535          # beanstalkd's default, used when `stats` does not say
+MARKER_PREFIX = "sbw."
+MARKER_DELAY = 2**31 - 1              # markers are delayed jobs nobody will ever get
+CHUNK_ROWS = 8192                     # rows per chunk for the Row-based writers
+_INT_TYPES = ("byte", "short", "int", "integer", "long", "bigint", "tinyint", "smallint")
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+class BeanstalkWriteError(RuntimeError):
+    """Rows could not be put; the message names each row (partition, row number) and why."""
+
+
+class BeanstalkUnavailableError(BeanstalkWriteError):
+    """No broker in `hosts` accepted the rows (all unreachable, lost or draining)."""
+
+
+# --------------------------------------------------------------------------------------
+# Column mapping, decided once from the schema (on the driver)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ColumnSpec:
+    """Which input columns play which role; picklable, built from a Spark StructType."""
+
+    names: tuple                       # all field names, in order
+    body: str | None                   # the body column's real name, or None: rows as JSON
+    tube: str | None
+    priority: str | None
+    delay: str | None
+    ttr: str | None
+    key: str | None
+    json_columns: tuple = ()           # columns of the JSON body when there is no body column
+
+    @classmethod
+    def from_schema(cls, schema, opts: WriterOptions) -> "ColumnSpec":
+        fields = {f.name.lower(): f for f in schema.fields}
+
+        def role(name: str, allowed: Sequence[str], what: str) -> str | None:
+            f = fields.get(name)
+            if f is None:
+                return None
+            tname = f.dataType.typeName()
+            if tname not in allowed:
+                raise OptionError(
+                    f"column {f.name!r} ({what}) must be {' or '.join(sorted(set(allowed)))}, "
+                    f"not {f.dataType.simpleString()}")
+            return f.name
+
+        body = role("body", ("string", "binary"), "the job body")
+        tube = role("tube", ("string",), "the tube")
+        pri = role("priority", _INT_TYPES, "the priority")
+        delay = role("delay", _INT_TYPES, "the delay in seconds")
+        ttr = role("ttr", _INT_TYPES, "the time-to-run in seconds")
+        key = None
+        if opts.key_column:
+            f = fields.get(opts.key_column.lower())
+            if f is None:
+                raise OptionError(f"option keyColumn={opts.key_column!r}: no such column; "
+                                  f"columns are {', '.join(schema.fieldNames())}")
+            key = f.name
+        controls = {c for c in (tube, pri, delay, ttr) if c}
+        json_columns = () if body else tuple(n for n in schema.fieldNames() if n not in controls)
+        return cls(tuple(schema.fieldNames()), body, tube, pri, delay, ttr, key, json_columns)
+
+
+@dataclass
+class Chunk:
+    """Up to a few thousand rows as Python lists, one per role (None: column absent)."""
+
+    n: int
+    bodies: list                       # bytes/str per row (None for null), or JSON-able dicts
+    json_rows: bool
+    tubes: list | None = None
+    priorities: list | None = None
+    delays: list | None = None
+    ttrs: list | None = None
+    keys: list | None = None
+
+
+def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+    """Arrow RecordBatches -> Chunks (column-wise conversion, the fast path)."""
+    import pyarrow as pa
+
+    for batch in batches:
+        n = batch.num_rows
+        if n == 0:
+            continue
+
+        def col(name):
+            return None if name is None else batch.column(batch.schema.get_field_index(name))
+
+        if spec.body is not None:
+            arr = col(spec.body)
+            if pa.types.is_string(arr.type):
+                arr = arr.cast(pa.binary())
+            elif pa.types.is_large_string(arr.type):
+                arr = arr.cast(pa.large_binary())
+            bodies, json_rows = arr.to_pylist(), False
+        else:
+            bodies, json_rows = batch.select(list(spec.json_columns)).to_pylist(), True
+
+        def pylist(name):
+            c = col(name)
+            return None if c is None else c.to_pylist()
+
+        yield Chunk(n, bodies, json_rows, pylist(spec.tube), pylist(spec.priority),
+                    pylist(spec.delay), pylist(spec.ttr), pylist(spec.key))
+
+
+def _row_chunks(rows: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+    """Spark Rows -> Chunks (the Row-based writer variants)."""
+    idx = {name: i for i, name in enumerate(spec.names)}
+    buf: list = []
+
+    def flush(buf):
+        def pick(name):
+            if name is None:
+                return None
+            i = idx[name]
+            return [r[i] for r in buf]
+
+        if spec.body is not None:
+            bodies, json_rows = pick(spec.body), False
+        else:
+            cols = [(c, idx[c]) for c in spec.json_columns]
+            bodies, json_rows = [{c: r[i] for c, i in cols} for r in buf], True
+        return Chunk(len(buf), bodies, json_rows, pick(spec.tube), pick(spec.priority),
+                     pick(spec.delay), pick(spec.ttr), pick(spec.key))
+
+    for row in rows:
+        buf.append(row)
+        if len(buf) >= CHUNK_ROWS:
+            yield flush(buf)
+            buf = []
+    if buf:
+        yield flush(buf)
+
+
+def _json_default(value: Any):
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if hasattr(value, "asDict"):
+        return value.asDict(recursive=True)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def row_json(row: Mapping) -> bytes:
+    """The body of a row without a body column: compact JSON, UTF-8.
+
+    Timestamps/dates as ISO 8601 strings, decimals as strings, binary as base64.
+    """
+    if hasattr(row, "asDict"):
+        row = row.asDict(recursive=True)
+    return json.dumps(row, separators=(",", ":"), ensure_ascii=False, default=_json_default,
+                      allow_nan=True).encode("utf-8")
+
+
+def tube_problem(name) -> str | None:
+    """Why beanstalkd would refuse this tube name, or None."""
+    if not isinstance(name, str):
+        return f"tube {name!r} is not a string"
+    if not 1 <= len(name.encode("utf-8")) <= 200:
+        return f"bad tube name {name!r}: must be 1-200 bytes"
+    if name.startswith("-"):
+        return f"bad tube name {name!r}: must not start with '-'"
+    bad = set(name) - TUBE_NAME_CHARS
+    if bad:
+        return f"bad tube name {name!r}: characters {''.join(sorted(bad))!r} are not allowed"
+    return None
+
+
+def _key_bytes(key) -> bytes:
+    if key is None:
+        return b""
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key)
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, bool):
+        return b"true" if key else b"false"
+    return str(key).encode("utf-8")
+
+
+def key_host(key, n_hosts: int) -> int:
+    """Stable host index for a key: CRC-32 of its UTF-8 text modulo the number of hosts.
+
+    The same in every process and run (unlike Python's salted hash()), so one key's jobs
+    land on one broker as long as `hosts` lists the same brokers in the same order.
+    """
+    return zlib.crc32(_key_bytes(key)) % n_hosts
+
+
+def _preview(body) -> str:
+    if body is None:
+        return "null"
+    data = body if isinstance(body, (bytes, bytearray)) else str(body).encode("utf-8", "replace")
+    text = repr(bytes(data[:40]))
+    return text + ("..." if len(data) > 40 else "")
+
+
+# --------------------------------------------------------------------------------------
+# One partition's puts
+# --------------------------------------------------------------------------------------
+# An entry is one row ready to send: (row number in partition, tube, encoded put, preferred
+# host index, key for messages)
+Entry = tuple
+
+
+@dataclass
+class RowFailure:
+    row: int
+    reason: str
+    body: Any = None
+    tube: str | None = None
+    priority: Any = None
+    delay: Any = None
+    ttr: Any = None
+    key: Any = None
+
+    def describe(self, partition: int, key_column: str | None) -> str:
+        key = f", {key_column}={self.key!r}" if key_column else ""
+        return f"row {self.row} of partition {partition}{key} (body {_preview(self.body)}): {self.reason}"
+
+    def record(self, ctx: Mapping) -> dict:
+        body = self.body
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        rec = {"reason": self.reason, "batch_id": ctx.get("batch_id"), "partition": ctx.get("partition"),
+               "row": self.row, "tube": self.tube, "priority": self.priority, "delay": self.delay,
+               "ttr": self.ttr, "key": self.key,
+               "body_base64": None if body is None else base64.b64encode(bytes(body)).decode("ascii")}
+        return rec
+
+
+def _describe_failures(failures: list[RowFailure], ctx: Mapping, key_column: str | None,
+                       what: str) -> str:
+    part = ctx.get("partition", 0)
+    batch = ctx.get("batch_id")
+    where = f"batch {batch}, " if batch is not None else ""
+    lines = [f"beanstalk write failed ({where}partition {part}): {len(failures)} row(s) {what}; "
+             f"nothing was dropped silently (set deadLetterPath to put the other rows and keep these aside):"]
+    for f in failures[:10]:
+        lines.append("  " + f.describe(part, key_column))
+    if len(failures) > 10:
+        lines.append(f"  ... and {len(failures) - 10} more")
+    return "\n".join(lines)
+
+
+class _DeadLetter:
+    """JSON-lines file of refused rows under deadLetterPath (local path or a pyarrow.fs URI)."""
+
+    def __init__(self, path: str, ctx: Mapping) -> None:
+        self.path = path
+        self.ctx = ctx
+        self.count = 0
+        self._stream = None
+        self.file: str | None = None
+
+    def add(self, failures: Iterable[RowFailure]) -> None:
+        for f in failures:
+            if self._stream is None:
+                self._open()
+            self._stream.write(json.dumps(f.record(self.ctx), default=_json_default).encode() + b"\n")
+            self.count += 1
+
+    def _open(self) -> None:
+        from pyarrow import fs as pafs
+
+        if "://" in self.path:
+            filesystem, base = pafs.FileSystem.from_uri(self.path)
+        else:
+            filesystem, base = pafs.LocalFileSystem(), os.path.abspath(self.path)
+        filesystem.create_dir(base, recursive=True)
+        batch = self.ctx.get("batch_id")
+        name = (f"batch-{batch}-" if batch is not None else "write-") + \
+            f"part-{self.ctx.get('partition', 0):05d}-{uuid.uuid4().hex[:12]}.jsonl"
+        self.file = base.rstrip("/") + "/" + name
+        self._stream = filesystem.open_output_stream(self.file)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+class _HostPool:
+    """Connections of one partition to the brokers in `hosts`, with failover."""
+
+    def __init__(self, opts: WriterOptions) -> None:
+        self.opts = opts
+        self.addresses = [f"{h}:{p}" for h, p in opts.hosts]
+        self.conns: dict[int, Connection] = {}
+        self.used: dict[int, str] = {}
+        self.down: dict[int, str] = {}
+        self.max_job_size: dict[int, int] = {}
+        self.rounds = 0
+
+    def connect(self, h: int) -> Connection | None:
+        conn = self.conns.get(h)
+        if conn is not None:
+            return conn
+        if h in self.down:
+            return None
+        host, port = self.opts.hosts[h]
+        try:
+            conn = Connection(host, port, timeout=self.opts.timeout, connect_timeout=self.opts.connect_timeout)
+            stats = conn.stats()
+        except (ConnectionLost, OSError) as exc:
+            self.down[h] = f"cannot connect: {exc.__cause__ or exc}"
+            return None
+        except Exception as exc:  # a server that does not answer stats still takes puts
+            log.debug("stats on %s failed: %s", self.addresses[h], exc)
+            stats = {}
+        size = stats.get("max-job-size") if isinstance(stats, dict) else None
+        self.max_job_size[h] = int(size) if isinstance(size, int) and size > 0 else DEFAULT_MAX_JOB_SIZE
+        if isinstance(stats, dict) and stats.get("draining") in ("true", True):
+            conn.close()
+            self.down[h] = "DRAINING (the server is in drain mode)"
+            return None
+        self.conns[h] = conn
+        self.used[h] = "default"
+        return conn
+
+    def drop(self, h: int, reason: str) -> None:
+        conn = self.conns.pop(h, None)
+        if conn is not None:
+            conn.close()
+        self.used.pop(h, None)
+        self.down[h] = reason
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+    def alive(self) -> list[int]:
+        return [h for h in range(len(self.addresses)) if h not in self.down]
+
+    def unavailable_message(self) -> str:
+        parts = [f"{self.addresses[h]} ({self.down.get(h, 'unknown')})" for h in range(len(self.addresses))]
+        return "; ".join(parts)
+
+
+class PartitionWriter:
+    """Validates then puts the rows of one partition. Returns a summary dict."""
+
+    def __init__(self, spec: ColumnSpec, opts: WriterOptions, ctx: Mapping) -> None:
+        self.spec = spec
+        self.opts = opts
+        self.ctx = dict(ctx)
+        self.partition = int(self.ctx.get("partition", 0))
+        self.pool = _HostPool(opts)
+        self.n_hosts = len(opts.hosts)
+        self.put = 0
+        self.buried = 0
+        self.failovers = 0
+        self.per_host: dict[str, int] = {}
+        self.per_tube: dict[str, int] = {}
+        self.failures: list[RowFailure] = []      # refused at send time
+
+    # -- phase 1: validate and encode every row of the partition -------------------------
+    def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
+        opts, spec = self.opts, self.spec
+        n_hosts = self.n_hosts
+        by_host: list[list[Entry]] = [[] for _ in range(n_hosts)]
+        bad: list[RowFailure] = []
+        good_tubes: set[str] = {opts.tube}
+        d_pri, d_delay, d_ttr, d_tube = opts.priority, opts.delay, opts.ttr, opts.tube
+        hashing = opts.distribution == "hash"
+        rr = self.partition % n_hosts
+        row_no = 0
+        for chunk in chunks:
+            bodies = chunk.bodies
+            tubes, pris, delays, ttrs, keys = chunk.tubes, chunk.priorities, chunk.delays, chunk.ttrs, chunk.keys
+            for i in range(chunk.n):
+                body = bodies[i]
+                reason = None
+                if chunk.json_rows:
+                    body = row_json(body)
+                elif body is None:
+                    reason = "body is null"
+                elif isinstance(body, str):
+                    body = body.encode("utf-8")
+                elif not isinstance(body, bytes):
+                    body = bytes(body)
+                tube = d_tube if tubes is None or tubes[i] is None else tubes[i]
+                pri = d_pri if pris is None or pris[i] is None else pris[i]
+                delay = d_delay if delays is None or delays[i] is None else delays[i]
+                ttr = d_ttr if ttrs is None or ttrs[i] is None else ttrs[i]
+                if reason is None:
+                    if len(body) > max_job_size:
+                        reason = (f"JOB_TOO_BIG: body is {len(body)} bytes, the server's max-job-size "
+                                  f"is {max_job_size}")
+                    elif tube not in good_tubes:
+                        reason = tube_problem(tube)
+                        if reason is None:
+                            good_tubes.add(tube)
+                    if reason is None:
+                        if not 0 <= pri <= MAX_U32:
+                            reason = f"priority {pri} out of range 0..{MAX_U32}"
+                        elif not 0 <= delay <= MAX_U32:
+                            reason = f"delay {delay} out of range 0..{MAX_U32} seconds"
+                        elif not 0 <= ttr <= MAX_U32:
+                            reason = f"ttr {ttr} out of range 0..{MAX_U32} seconds"
+                key = keys[i] if keys is not None else None
+                if reason is not None:
+                    bad.append(RowFailure(row_no, reason, body, tube, pri, delay, ttr, key))
+                else:
+                    if hashing:
+                        h = zlib.crc32(_key_bytes(key)) % n_hosts
+                    else:
+                        h = rr
+                        rr = rr + 1 if rr + 1 < n_hosts else 0
+                    by_host[h].append((row_no, tube, b"put %d %d %d %d\r\n%s\r\n" % (pri, delay, ttr, len(body), body),
+                                       h, key))
+                row_no += 1
+        return by_host, bad, row_no
+
+    # -- phase 2: send, with failover --------------------------------------------------
+    def _reassign(self, entries: list[Entry], pending: dict[int, list[Entry]]) -> None:
+        alive = self.pool.alive()
+        if not alive:
+            if self.pool.rounds >= self.opts.retries:
+                raise BeanstalkUnavailableError(
+                    f"beanstalk write failed (partition {self.partition}"
+                    + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
+                    + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s): "
+                    f"{self.pool.unavailable_message()}. {self.put} row(s) of this partition were put, "
+                    f"{len(entries) + sum(len(v) for v in pending.values())} were not.")
+            self.pool.rounds += 1
+            time.sleep(self.opts.retry_interval)
+            self.pool.down.clear()
+            alive = list(range(self.n_hosts))
+        self.failovers += len(entries)
+        alive_set = set(alive)
+        if self.opts.distribution == "hash":
+            for e in entries:
+                h0 = e[3]
+                for k in range(1, self.n_hosts + 1):
+                    h = (h0 + k) % self.n_hosts
+                    if h in alive_set:
+                        break
+                pending.setdefault(h, []).append(e)
+        else:
+            for j, e in enumerate(entries):
+                pending.setdefault(alive[j % len(alive)], []).append(e)
+
+    def send(self, by_host: list[list[Entry]]) -> None:
+        pending: dict[int, list[Entry]] = {h: rows for h, rows in enumerate(by_host) if rows}
+        while pending:
+            h = next(iter(pending))
+            entries = pending.pop(h)
+            if not entries:
+                continue
+            conn = self.pool.connect(h)
+            if conn is None:
+                self._reassign(entries, pending)
+                continue
+            retry = self._send_to(h, conn, entries)
+            if retry:
+                self._reassign(retry, pending)
+
+    def _send_to(self, h: int, conn: Connection, entries: list[Entry]) -> list[Entry]:
+        entries.sort(key=lambda e: e[1])           # stable: row order kept within a tube
+        cmds: list[bytes] = []
+        owners: list = []
+        cur = self.pool.used.get(h, "default")
+        for e in entries:
+            if e[1] != cur:
+                cur = e[1]
+                cmds.append(b"use %s\r\n" % cur.encode())
+                owners.append(cur)
+            cmds.append(e[2])
+            owners.append(e)
+        lost = None
+        try:
+            replies = conn.pipeline_lines(cmds, window=self.opts.window)
+        except ConnectionLost as exc:
+            replies = getattr(exc, "replies", [])
+            lost = f"connection lost: {exc}"
+        address = self.pool.addresses[h]
+        retry: list[Entry] = []
+        draining = False
+        bad_use = None                           # rows after a refused `use` went to the wrong tube
+        wrong_tube_ids: list[int] = []
+        n_replies = len(replies)
+        put_here = 0
+        for i, owner in enumerate(owners):
+            if i >= n_replies:
+                if isinstance(owner, tuple):
+                    retry.append(owner)
+                continue
+            line = replies[i]
+            if not isinstance(owner, tuple):     # a `use` line
+                if line.startswith(b"USING"):
+                    self.pool.used[h] = owner
+                    bad_use = None
+                else:
+                    bad_use = f"{address} refused 'use {owner}': {line.decode('latin-1')}"
+                continue
+            if line.startswith(b"INSERTED") or line.startswith(b"BURIED"):
+                if bad_use is not None:
+                    wrong_tube_ids.append(int(line.split()[1]))
+                    self.failures.append(self._failure(owner, bad_use))
+                    continue
+                put_here += 1
+                if line[0:1] == b"B":
+                    self.buried += 1
+                self.per_tube[owner[1]] = self.per_tube.get(owner[1], 0) + 1
+            elif line == b"DRAINING":
+                draining = True
+                retry.append(owner)
+            elif line == b"OUT_OF_MEMORY":
+                retry.append(owner)
+                lost = lost or f"OUT_OF_MEMORY from {address}"
+            else:
+                self.failures.append(self._failure(owner, f"{address} answered {line.decode('latin-1')}"))
+        self.put += put_here
+        if put_here:
+            self.per_host[address] = self.per_host.get(address, 0) + put_here
+        if wrong_tube_ids and h in self.pool.conns:
+            # undo jobs that landed in the previously used tube
+            try:
+                conn.pipeline_lines([b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
+            except ConnectionLost:
+                pass
+        if draining:
+            self.pool.drop(h, "DRAINING (the server is in drain mode)")
+        elif lost:
+            self.pool.drop(h, lost)
+        return retry
+
+    def _failure(self, entry: Entry, reason: str) -> RowFailure:
+        cmd = entry[2]
+        head_end = cmd.index(b"\r\n")
+        _, pri, delay, ttr, _size = cmd[:head_end].split(b" ")
+        return RowFailure(entry[0], reason, cmd[head_end + 2:-2], entry[1], int(pri), int(delay), int(ttr), entry[4])
+
+    # -- the whole partition ------------------------------------------------------------
+    def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict:
+        opts = self.opts
+        try:
+            # connect to every broker first: their max-job-size bounds validation
+            for h in range(self.n_hosts):
+                self.pool.connect(h)
+            sizes = [self.pool.max_job_size[h] for h in self.pool.conns]
+            max_job_size = opts.max_job_size or (min(sizes) if sizes else DEFAULT_MAX_JOB_SIZE)
+            by_host, bad, rows = self.prepare(chunks, max_job_size)
+            dead = _DeadLetter(opts.dead_letter_path, self.ctx) if opts.dead_letter_path else None
+            if bad and dead is None:
+                raise BeanstalkWriteError(_describe_failures(bad, self.ctx, self.spec.key, "refused before sending"))
+            if dry_run:
+                return self.summary(rows, 0, len(bad))
+            try:
+                if dead is not None and bad:
+                    dead.add(bad)
+                self.send(by_host)
+                if self.failures:
+                    if dead is None:
+                        raise BeanstalkWriteError(_describe_failures(
+                            self.failures, self.ctx, self.spec.key,
+                            f"refused by the server (the other {self.put} row(s) of this partition were put)"))
+                    dead.add(self.failures)
+            finally:
+                if dead is not None:
+                    dead.close()
+            return self.summary(rows, dead.count if dead else 0, 0, dead.file if dead else None)
+        finally:
+            self.pool.close()
+
+    def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict:
+        return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
+                "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
+                "hosts": self.per_host, "tubes": self.per_tube, "skipped": False,
+                "dead_letter_files": [dead_file] if dead_file else []}
+
+
+def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions, ctx: Mapping,
+                  dry_run: bool = False) -> dict:
+    """Validate and put one partition's rows; raises BeanstalkWriteError naming bad rows."""
+    return PartitionWriter(spec, opts, ctx).run(chunks, dry_run)
+
+
+# --------------------------------------------------------------------------------------
+# Batch markers: a completed batch id is recorded in the brokers themselves
+# --------------------------------------------------------------------------------------
+def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str:
+    """Marker namespace: the writerId option as given, else the query id plus a digest of the target."""
+    if explicit:
+        base = writer_id
+    else:
+        target = ",".join(opts.host_names()) + "|" + opts.tube
+        base = f"{writer_id}.{zlib.crc32(target.encode()):08x}"
+    if len(base) > 150 or set(base) - TUBE_NAME_CHARS:
+        base = hashlib.sha1(base.encode()).hexdigest()
+    return base
+
+
+def marker_tube(namespace: str, batch_id: int) -> str:
+    return f"{MARKER_PREFIX}{namespace}.{batch_id}"
+
+
+def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
+    """The address of a broker holding the completion marker of this batch, or None."""
+    tube = marker_tube(namespace, batch_id)
+    for host, port in opts.hosts:
+        try:
+            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout) as conn:
+                st = conn.stats_tube(tube)
+        except (ConnectionLost, OSError):
+            continue
+        except Exception as exc:
+            log.warning("marker check on %s:%s failed: %s", host, port, exc)
+            continue
+        if st and int(st.get("current-jobs-delayed", 0) or 0) + int(st.get("current-jobs-ready", 0) or 0) + \
+                int(st.get("current-jobs-buried", 0) or 0) > 0:
+            return f"{host}:{port}"
+    return None
+
+
+def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Mapping) -> int:
+    """Record batch completion on every reachable broker; drop the marker `markerRetain` batches back.
+
+    Returns how many brokers hold the marker. Failing to write it only weakens replay
+    detection (the batch itself is complete), so this logs instead of raising.
+    """
+    tube = marker_tube(namespace, batch_id)
+    old = marker_tube(namespace, batch_id - opts.marker_retain) if batch_id >= opts.marker_retain else None
+    body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
+    written = 0
+    for host, port in opts.hosts:
+        try:
+            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout) as conn:
+                conn.use(tube)
+                conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+                written += 1
+                if old:
+                    conn.use(old)
+                    while True:
+                        job = conn.peek_delayed()
+                        if job is None or not conn.delete(job.id):
+                            break
+        except Exception as exc:
+            log.warning("could not write batch marker %s on %s:%s: %s", tube, host, port, exc)
+    if not written:
+        log.warning("batch %s was put but no broker took its completion marker; a replay would put it again",
+                    batch_id)
+    return written
+
+
+# --------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------
+@dataclass
+class WriteSummary:
+    """What one write did, summed over partitions."""
+
+    batch_id: int | None = None
+    rows: int = 0
+    put: int = 0
+    buried: int = 0
+    dead_lettered: int = 0
+    failovers: int = 0
+    partitions: int = 0
+    skipped: bool = False
+    skipped_reason: str | None = None
+    hosts: dict = field(default_factory=dict)
+    tubes: dict = field(default_factory=dict)
+    dead_letter_files: list = field(default_factory=list)
+
+    @classmethod
+    def combine(cls, parts: Iterable[Mapping], batch_id: int | None = None) -> "WriteSummary":
+        s = cls(batch_id=batch_id)
+        for p in parts:
+            if p is None:
+                continue
+            s.partitions += 1
+            s.rows += p.get("rows", 0)
+            s.put += p.get("put", 0)
+            s.buried += p.get("buried", 0)
+            s.dead_lettered += p.get("dead_lettered", 0)
+            s.failovers += p.get("failovers", 0)
+            for k, v in (p.get("hosts") or {}).items():
+                s.hosts[k] = s.hosts.get(k, 0) + v
+            for k, v in (p.get("tubes") or {}).items():
+                s.tubes[k] = s.tubes.get(k, 0) + v
+            s.dead_letter_files.extend(p.get("dead_letter_files") or [])
+            if p.get("skipped"):
+                s.skipped = True
+        return s
+
+
+# --------------------------------------------------------------------------------------
+# foreachBatch: beanstalk_put
+# --------------------------------------------------------------------------------------
+def _spark_conf(spark) -> dict:
+    try:
+        conf = spark.conf.getAll
+        return dict(conf() if callable(conf) else conf)
+    except Exception:
+        return dict(spark.sparkContext.getConf().getAll())
+
+
+def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping, dry_run: bool):
+    def put_arrow_partition(batches):
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        pctx = dict(ctx, partition=tc.partitionId() if tc is not None else 0)
+        summary = put_partition(_arrow_chunks(batches, spec), spec, opts, pctx, dry_run)
+        yield pa.RecordBatch.from_pydict({"summary": [json.dumps(summary)]})
+
+    return put_arrow_partition
+
+
+class BeanstalkPut:
+    """A foreachBatch function that puts each micro-batch into beanstalk tubes.
+
+    ``df.writeStream.foreachBatch(beanstalk_put)`` takes its settings from Spark conf
+    (``spark.beanstalk.hosts``, ``spark.beanstalk.tube``, ...);
+    ``beanstalk_put.options(hosts="h1:11300,h2:11300", tube="out")`` returns a copy
+    with options that override the conf. Also usable on a batch DataFrame:
+    ``beanstalk_put.options(...).write(df)``. Each call returns a :class:`WriteSummary`
+    (also kept as ``.last_summary``).
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self._options = {str(k): _option_text(v) for k, v in (options or {}).items()}
+        self.last_summary: WriteSummary | None = None
+
+    def options(self, **options: Any) -> "BeanstalkPut":
+        merged = dict(self._options)
+        merged.update({k: _option_text(v) for k, v in options.items()})
+        WriterOptions.parse(merged)            # fail fast on a typo or a bad value
+        return BeanstalkPut(merged)
+
+    def option(self, key: str, value: Any) -> "BeanstalkPut":
+        return self.options(**{key: value})
+
+    def __repr__(self) -> str:
+        return f"beanstalk_put.options({', '.join(f'{k}={v!r}' for k, v in self._options.items())})"
+
+    def write(self, df) -> WriteSummary:
+        """Put a (batch) DataFrame once; no batch id, so no replay detection."""
+        return self(df, None)
+
+    def __call__(self, df, batch_id: int | None = None) -> WriteSummary:
+        spark = df.sparkSession
+        opts = WriterOptions.parse(self._options, _spark_conf(spark))
+        spec = ColumnSpec.from_schema(df.schema, opts)
+        namespace = None
+        if batch_id is not None and opts.dedup:
+            writer_id = opts.writer_id or spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+            if writer_id:
+                namespace = marker_namespace(writer_id, opts, explicit=bool(opts.writer_id))
+                holder = marker_exists(opts, namespace, batch_id)
+                if holder:
+                    log.warning("beanstalk_put: batch %s already completed (marker %s on %s); not putting it again",
+                                batch_id, marker_tube(namespace, batch_id), holder)
+                    summary = WriteSummary(batch_id=batch_id, skipped=True,
+                                           skipped_reason=f"marker {marker_tube(namespace, batch_id)} on {holder}")
+                    self.last_summary = summary
+                    return summary
+        ctx = {"batch_id": batch_id}
+        cached = False
+        try:
+            if opts.validate == "batch":
+                # validate every partition before any is put (costs a second pass; the input is cached)
+                df = df.persist()
+                cached = True
+                df.mapInArrow(_mapper(spec, opts, ctx, True), "summary string").collect()
+            rows = df.mapInArrow(_mapper(spec, opts, ctx, False), "summary string").collect()
+        except Exception as exc:
+            raise _clean_error(exc) from exc
+        finally:
+            if cached:
+                df.unpersist()
+        summary = WriteSummary.combine((json.loads(r[0]) for r in rows), batch_id)
+        if namespace is not None:
+            write_marker(opts, namespace, batch_id, {"put": summary.put})
+        self.last_summary = summary
+        return summary
+
+
+def _clean_error(exc: Exception) -> Exception:
+    """Surface our message from a PythonException's traceback text, keeping the original chained."""
+    text = str(exc)
+    for cls in (BeanstalkUnavailableError, BeanstalkWriteError):
+        marker = f"{cls.__module__}.{cls.__name__}: " if f"{cls.__module__}.{cls.__name__}: " in text else f"{cls.__name__}: "
+        pos = text.rfind(marker)
+        if pos >= 0:
+            message = text[pos + len(marker):].strip()
+            for stop in ("\n\n\tat ", "\n\tat ", "\nJVM stacktrace"):
+                cut = message.find(stop)
+                if cut >= 0:
+                    message = message[:cut].rstrip()
+            return cls(message)
+    return exc
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v) for v in value)
+    return str(value)
+
+
+beanstalk_put = BeanstalkPut()
+
+
+# --------------------------------------------------------------------------------------
+# Python Data Source writers (called by spark_beanstalk/datasource.py)
+# --------------------------------------------------------------------------------------
+from pyspark.sql.datasource import (  # noqa: E402  (pyspark only needed from here on)
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
+
+
+@dataclass
+class BeanstalkCommitMessage(WriterCommitMessage):
+    summary: dict
+    writer_id: str | None = None
+    batch_id: int | None = None
+
+
+def _task_context() -> tuple[int, str | None, int | None]:
+    from pyspark import TaskContext
+
+    tc = TaskContext.get()
+    if tc is None:
+        return 0, None, None
+    batch = tc.getLocalProperty("streaming.sql.batchId")
+    return tc.partitionId(), tc.getLocalProperty("sql.streaming.queryId"), int(batch) if batch else None
+
+
+class _BatchWriterBase:
+    def __init__(self, opts: WriterOptions, spec: ColumnSpec) -> None:
+        self.opts = opts
+        self.spec = spec
+
+    def _write(self, chunks: Iterator[Chunk]) -> BeanstalkCommitMessage:
+        partition, _, _ = _task_context()
+        summary = put_partition(chunks, self.spec, self.opts, {"partition": partition})
+        return BeanstalkCommitMessage(summary)
+
+    def commit(self, messages) -> None:
+        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+        log.info("beanstalk write committed: %s rows put, %s dead-lettered", s.put, s.dead_lettered)
+
+    def abort(self, messages) -> None:
+        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+        log.warning("beanstalk write aborted: %s rows had been put by the partitions that succeeded "
+                    "(puts cannot be taken back)", s.put)
+
+
+class BeanstalkArrowWriter(_BatchWriterBase, DataSourceArrowWriter):
+    """``df.write.format("beanstalk")``: Arrow batches in (the faster variant)."""
+
+    def write(self, iterator):
+        return self._write(_arrow_chunks(iterator, self.spec))
+
+
+class BeanstalkRowWriter(_BatchWriterBase, DataSourceWriter):
+    """``df.write.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
+
+    def write(self, iterator):
+        return self._write(_row_chunks(iterator, self.spec))
+
+
+class _StreamWriterBase:
+    def __init__(self, opts: WriterOptions, spec: ColumnSpec) -> None:
+        self.opts = opts
+        self.spec = spec
+
+    def _namespace(self, query_id: str | None) -> str | None:
+        if not self.opts.dedup:
+            return None
+        wid = self.opts.writer_id or query_id
+        return marker_namespace(wid, self.opts, explicit=bool(self.opts.writer_id)) if wid else None
+
+    def _write(self, make_chunks) -> BeanstalkCommitMessage:
+        partition, query_id, batch_id = _task_context()
+        namespace = self._namespace(query_id)
+        if namespace is not None and batch_id is not None:
+            holder = marker_exists(self.opts, namespace, batch_id)
+            if holder:
+                log.warning("beanstalk sink: batch %s already completed (marker on %s); partition %s not put again",
+                            batch_id, holder, partition)
+                return BeanstalkCommitMessage({"partition": partition, "skipped": True}, query_id, batch_id)
+        summary = put_partition(make_chunks(), self.spec, self.opts, {"partition": partition, "batch_id": batch_id})
+        return BeanstalkCommitMessage(summary, query_id, batch_id)
+
+    def commit(self, messages, batchId) -> None:
+        msgs = [m for m in messages if m is not None]
+        s = WriteSummary.combine((m.summary for m in msgs), batchId)
+        query_id = next((m.writer_id for m in msgs if m.writer_id), None)
+        namespace = self._namespace(query_id)
+        if namespace is not None and not s.skipped:
+            write_marker(self.opts, namespace, batchId, {"put": s.put})
+        log.info("beanstalk sink batch %s committed: %s rows put", batchId, s.put)
+
+    def abort(self, messages, batchId) -> None:
+        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+        log.warning("beanstalk sink batch %s aborted: %s rows had been put by the partitions that succeeded; "
+                    "Spark will run the batch again (at-least-once)", batchId, s.put)
+
+
+class BeanstalkStreamArrowWriter(_StreamWriterBase, DataSourceStreamArrowWriter):
+    """``df.writeStream.format("beanstalk")``: Arrow batches in (the faster variant)."""
+
+    def write(self, iterator):
+        return self._write(lambda: _arrow_chunks(iterator, self.spec))
+
+
+class BeanstalkStreamRowWriter(_StreamWriterBase, DataSourceStreamWriter):
+    """``df.writeStream.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
+
+    def write(self, iterator):
+        return self._write(lambda: _row_chunks(iterator, self.spec))
+
+
+def make_batch_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceWriter:
+    """The writer for ``df.write.format("beanstalk")``; ``overwrite`` is ignored (tubes are appended to)."""
+    opts = WriterOptions.parse(options, _active_conf())
+    spec = ColumnSpec.from_schema(schema, opts)
+    return (BeanstalkArrowWriter if opts.arrow else BeanstalkRowWriter)(opts, spec)
+
+
+def make_stream_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceStreamWriter:
+    """The writer for ``df.writeStream.format("beanstalk")``."""
+    opts = WriterOptions.parse(options, _active_conf())
+    spec = ColumnSpec.from_schema(schema, opts)
+    return (BeanstalkStreamArrowWriter if opts.arrow else BeanstalkStreamRowWriter)(opts, spec)
+
+
+def _active_conf() -> dict:
+    """``spark.beanstalk.*`` defaults, when a SparkSession is reachable from this process.
+
+    The data source's writer() runs in a Python worker with no SparkSession; there Spark
+    conf is not visible and only the explicit options (and defaults) apply.
+    """
+    try:
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.getActiveSession()
+        return _spark_conf(spark) if spark is not None else {}
+    except Exception:
+        return {}

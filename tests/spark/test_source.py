@@ -1,0 +1,393 @@
+"""End-to-end tests of spark.readStream.format("beanstalk") with real broker processes.
+
+Every test that needs a broker runs twice through the `server` fixture: against our
+broker and against beanstalkd 1.12. One local[2] SparkSession serves the whole run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from spark_beanstalk.client import Connection, encode_put
+from spark_beanstalk.embedded import free_port
+from spark_beanstalk.options import OptionError, SourceOptions
+from spark_beanstalk.source import decode_ranges, encode_ranges, make_offset
+
+pytestmark = pytest.mark.spark
+
+chispa = pytest.importorskip("chispa")
+from chispa import assert_df_equality  # noqa: E402
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+def wait_until(cond, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def put_jobs(conn: Connection, tube: str, bodies, ttr: int = 60, pri: int = 100) -> list[int]:
+    conn.use(tube)
+    ids = []
+    for reply in conn.pipeline([encode_put(b, pri, 0, ttr) for b in bodies]):
+        assert reply.status == b"INSERTED", reply
+        ids.append(int(reply.args[0]))
+    return ids
+
+
+def tube_counts(conn: Connection, tube: str) -> dict:
+    st = conn.stats_tube(tube) or {}
+    return {k: int(st.get(f"current-jobs-{k}", 0)) for k in ("ready", "reserved", "delayed", "buried")}
+
+
+def job_state(conn: Connection, job_id: int) -> dict | None:
+    return conn.stats_job(job_id)
+
+
+def source_report(query) -> dict:
+    progress = query.lastProgress
+    if not progress:
+        return {}
+    latest = progress["sources"][0].get("latestOffset")
+    if isinstance(latest, str):
+        latest = json.loads(latest)
+    return latest if isinstance(latest, dict) else {}
+
+
+def reader(spark, **options):
+    r = spark.readStream.format("beanstalk")
+    for key, value in options.items():
+        r = r.option(key, str(value))
+    return r.load()
+
+
+class BatchRecorder:
+    """foreachBatch sink that keeps (batch_id, rows) in the test process."""
+
+    def __init__(self, hook=None) -> None:
+        self.batches: list[tuple[int, list]] = []
+        self.lock = threading.Lock()
+        self.hook = hook
+
+    def __call__(self, df, batch_id: int) -> None:
+        rows = [tuple(r) for r in df.select("broker", "tube", "id", "body", "reserves").collect()]
+        with self.lock:
+            self.batches.append((batch_id, rows))
+        if self.hook is not None:
+            self.hook(batch_id, rows)
+
+    def rows(self) -> list:
+        with self.lock:
+            return [row for _, rows in self.batches for row in rows]
+
+
+# --- fast checks (no Spark query) -----------------------------------------------------------
+
+def test_offsets_are_compact_and_canonical():
+    assert encode_ranges([5, 1, 2, 3, 9, 10, 12]) == "1-3,5,9-10,12"
+    assert decode_ranges("1-3,5,9-10,12") == [1, 2, 3, 5, 9, 10, 12]
+    a = make_offset(3, {"h:2": ("s", [3, 4]), "h:1": ("s", [1])})
+    b = make_offset(3, {"h:1": ("s", [1]), "h:2": ("s", [4, 3])})
+    assert json.dumps(a) == json.dumps(b)
+    assert list(a["jobs"]) == ["h:1", "h:2"]
+
+
+def test_options_validation_messages():
+    opts = SourceOptions.parse({"HOSTS": "a:1,b:2", "tubes": "x, y", "maxjobspertrigger": "7"})
+    assert opts.hosts == (("a", 1), ("b", 2)) and opts.tubes == ("x", "y") and opts.max_jobs_per_trigger == 7
+    with pytest.raises(OptionError, match=r"unknown beanstalk source option\(s\) tubez"):
+        SourceOptions.parse({"tubez": "a"})
+    with pytest.raises(OptionError, match="numPartitions=0 is below the minimum 1"):
+        SourceOptions.parse({"numPartitions": "0"})
+    with pytest.raises(OptionError, match="hosts"):
+        SourceOptions.parse({"hosts": "h:notaport"})
+    with pytest.raises(OptionError, match="not allow"):
+        SourceOptions.parse({"tubes": "bad tube!"})
+    with pytest.raises(OptionError, match="touchFraction"):
+        SourceOptions.parse({"touchFraction": "0.95"})
+
+
+def test_pyspark_discovers_default_source():
+    """pyspark auto-registers DefaultSource of top-level pyspark_* modules (lookup_data_sources.py)."""
+    code = ("import pkgutil, importlib;"
+            "m=[i.name for i in pkgutil.iter_modules() if i.name=='pyspark_beanstalk'];"
+            "print(m and importlib.import_module(m[0]).DefaultSource.name())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True,
+                         timeout=60)
+    if out.stdout.strip() != "beanstalk":
+        pytest.xfail("pyspark_beanstalk is not visible to pkgutil.iter_modules from an arbitrary directory: "
+                     "setuptools' strict editable install hides it. Install with `pip install .` or "
+                     "`pip install -e . --config-settings editable_mode=compat`. " + out.stderr[-300:])
+
+
+# --- end-to-end ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_exactly_once_across_tubes_and_brokers(spark, server, server_factory, conn_factory, tmp_path):
+    """N jobs over 3 tubes and 2 brokers reach a parquet sink exactly once; poison is buried."""
+    from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
+
+    other = server_factory(server.kind)
+    procs = [server, other]
+    conns = [conn_factory(p) for p in procs]
+    tubes = ["alpha", "beta", "gamma"]
+    expected = []
+    for proc, conn in zip(procs, conns):
+        for tube in tubes:
+            bodies = [f"{proc.port}/{tube}/{i}".encode() for i in range(60)]
+            for job_id, body in zip(put_jobs(conn, tube, bodies), bodies):
+                expected.append((proc.address, tube, job_id, body))
+        put_jobs(conn, "unwatched", [b"stay"] * 5)
+    # A poison job: already reserved twice; maxReserves=2 buries it on the 3rd reservation.
+    poison_conn = conns[0]
+    poison_id = put_jobs(poison_conn, "alpha", [b"poison"], pri=0)[0]
+    poison_conn.watch("alpha")
+    for _ in range(2):
+        job = poison_conn.reserve(0)
+        assert job is not None and job.id == poison_id
+        poison_conn.release(poison_id, 0, 0)
+
+    out = str(tmp_path / "out")
+    df = reader(spark, hosts=",".join(p.address for p in procs), tubes=",".join(tubes), maxJobsPerTrigger=150,
+                numPartitions=2, maxReserves=2)
+    query = (df.writeStream.format("parquet").option("path", out)
+             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(processingTime="200 milliseconds").start())
+    try:
+        def drained():
+            for conn in conns:
+                for tube in tubes:
+                    c = tube_counts(conn, tube)
+                    if c["ready"] or c["reserved"]:
+                        return False
+            return True
+
+        wait_until(drained, 90, "all watched tubes to be empty (jobs deleted after commit)", 0.25)
+        report = wait_until(lambda: (r := source_report(query)).get("deleted") == len(expected) and r, 20,
+                            "progress to report every job deleted")
+    finally:
+        query.stop()
+
+    schema = StructType([StructField("broker", StringType()), StructField("tube", StringType()),
+                         StructField("id", LongType()), StructField("body", BinaryType())])
+    actual = spark.read.parquet(out).select("broker", "tube", "id", "body")
+    assert_df_equality(actual, spark.createDataFrame(expected, schema), ignore_row_order=True,
+                       ignore_nullable=True)
+    # admission control: no micro-batch above maxJobsPerTrigger
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    assert sizes and max(sizes) <= 150 and sum(sizes) == len(expected)
+    # poison buried, never delivered; unwatched tube untouched
+    assert job_state(poison_conn, poison_id)["state"] == "buried"
+    assert report["buried"] == 1 and report["reserved"] == len(expected) + 1
+    assert set(report["brokers"]) == {p.address for p in procs}
+    for conn in conns:
+        assert tube_counts(conn, "unwatched")["ready"] == 5
+    reserves = spark.read.parquet(out).groupBy().max("reserves").collect()[0][0]
+    assert reserves == 1
+    assert actual.schema["id"].dataType == LongType() and \
+        spark.read.parquet(out).schema["reserves"].dataType == IntegerType()
+
+
+@pytest.mark.timeout(180)
+def test_reserved_until_commit_touched_past_ttr_stop_and_replay(spark, server, conn_factory, tmp_path):
+    """Before commit the jobs stay reserved (and touched past 3x TTR without a timeout); a query
+    stopped mid-batch leaves them all in the broker; restarted from its checkpoint it replays the
+    same batch, and after that commit they are gone."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    conn = conn_factory(server)
+    n, ttr = 40, 2
+    ids = put_jobs(conn, "slow", [f"s{i}".encode() for i in range(n)], ttr=ttr)
+    gate = tmp_path / "gate"
+    gate.write_text("closed")
+    gate_path = str(gate)
+
+    def hold(job_id):
+        import os as _os
+        import time as _time
+        while _os.path.exists(gate_path):
+            _time.sleep(0.05)
+        return job_id
+
+    hold_udf = F.udf(hold, LongType())
+    ckpt = str(tmp_path / "ckpt")
+    first = BatchRecorder()
+
+    def start(recorder):
+        df = reader(spark, hosts=server.address, tubes="slow", numPartitions=2)
+        df = df.withColumn("held", hold_udf("id"))
+        return df.writeStream.foreachBatch(recorder).option("checkpointLocation", ckpt).start()
+
+    query = start(first)
+    try:
+        wait_until(lambda: tube_counts(conn, "slow")["reserved"] == n, 60, "the batch to reserve every job")
+        reserved_at = time.monotonic()
+        assert all(job_state(conn, i)["state"] == "reserved" for i in ids), "jobs must not be deleted before commit"
+        # The batch is now blocked in the UDF. Keep it running past 3x the TTR.
+        time.sleep(max(0.0, reserved_at + 3 * ttr + 1.0 - time.monotonic()))
+        stats = [job_state(conn, i) for i in ids]
+        assert all(s["state"] == "reserved" for s in stats)
+        assert sum(s["timeouts"] for s in stats) == 0
+        assert int(conn.stats()["job-timeouts"]) == 0
+        assert source_report(query) == {} or source_report(query).get("deleted", 0) == 0
+    finally:
+        query.stop()
+    assert first.rows() == []
+    # Stopped between planning and commit: everything goes back to ready, nothing is lost.
+    wait_until(lambda: tube_counts(conn, "slow") == {"ready": n, "reserved": 0, "delayed": 0, "buried": 0}, 30,
+               "every job to be back in ready after the stop")
+
+    gate.unlink()
+    second = BatchRecorder()
+    query = start(second)
+    try:
+        wait_until(lambda: tube_counts(conn, "slow")["ready"] + tube_counts(conn, "slow")["reserved"] == 0, 90,
+                   "the replayed batch to be committed and its jobs deleted")
+        assert all(job_state(conn, i) is None for i in ids)
+    finally:
+        query.stop()
+    batch_id, rows = second.batches[0]
+    assert batch_id == 0, "the uncommitted batch 0 is replayed under its own id"
+    assert sorted(r[2] for r in rows) == ids
+    assert sorted(r[2] for r in second.rows()) == ids, "each job exactly once"
+    assert {r[4] for r in rows} == {2}, "reserves counts the first (stopped) delivery too"
+    assert int(conn.stats()["job-timeouts"]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_available_now_drains_and_stops(spark, server, conn_factory, tmp_path):
+    conn = conn_factory(server)
+    late_conn = conn_factory(server)
+    ids = put_jobs(conn, "an", [f"a{i}".encode() for i in range(90)])
+    late_ids: list[int] = []
+
+    def hook(batch_id, rows):
+        if batch_id == 0:
+            late_ids.extend(put_jobs(late_conn, "an", [b"late"] * 10))
+
+    rec = BatchRecorder(hook)
+    df = reader(spark, hosts=server.address, tubes="an", maxJobsPerTrigger=30)
+    query = (df.writeStream.foreachBatch(rec).option("checkpointLocation", str(tmp_path / "ckpt"))
+             .trigger(availableNow=True).start())
+    assert query.awaitTermination(90), "AvailableNow query did not stop by itself"
+    assert query.exception() is None
+    assert sorted(r[2] for r in rec.rows()) == ids
+    assert len(rec.batches) >= 3 and max(len(rows) for _, rows in rec.batches) <= 30
+    assert len(late_ids) == 10
+    assert tube_counts(conn, "an") == {"ready": 10, "reserved": 0, "delayed": 0, "buried": 0}
+    assert all(job_state(conn, i) is None for i in ids)
+
+
+@pytest.mark.timeout(120)
+def test_clear_errors_for_bad_options_and_unreachable_broker(spark):
+    from spark_beanstalk.datasource import BeanstalkDataSource
+
+    spark.dataSource.register(BeanstalkDataSource)   # explicit registration works as well
+
+    def run(**options) -> str:
+        try:
+            query = reader(spark, **options).writeStream.format("noop").start()
+        except Exception as exc:    # raised while planning
+            return str(exc)
+        try:
+            query.awaitTermination(60)
+        except Exception as exc:    # the query failed: awaitTermination re-raises its error
+            return str(exc)
+        finally:
+            query.stop()
+        return f"no error; query.exception()={query.exception()}"
+
+    msg = run(hosts="127.0.0.1:1", maxJobsPerTriger="5")
+    assert "unknown beanstalk source option(s) maxjobspertriger; known options: hosts, tubes, maxJobsPerTrigger" in msg
+    msg = run(hosts="127.0.0.1:1", numPartitions="zero")
+    assert "numPartitions='zero' is not an integer" in msg
+    port = free_port()
+    msg = run(hosts=f"127.0.0.1:{port}")
+    assert f"cannot reach broker 127.0.0.1:{port}" in msg
+
+
+# --- reader-level checks (no Spark query: the driver-side reader driven by hand) -------------------
+
+def _crash(reader) -> None:
+    """What a killed driver process looks like to the broker: every socket closes, nothing is deleted."""
+    reader._stopping = True
+    for b in reader._brokers or []:
+        for rc in b.conns:
+            rc.conn.close()
+        b.control.close()
+
+
+@pytest.mark.timeout(60)
+def test_reader_restart_after_commit_deletes_the_committed_batch(server, conn_factory):
+    """Crash after Spark committed batch 1 but before its jobs were deleted: they come back to ready,
+    and the restarted reader deletes them (they are in the commit log) before reading on."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import BeanstalkStreamReader, SCHEMA
+
+    conn = conn_factory(server)
+    ids = put_jobs(conn, "r", [f"r{i}".encode() for i in range(10)])
+    opts = SourceOptions.parse({"hosts": server.address, "tubes": "r", "prefetch": "false"})
+    a = BeanstalkStreamReader(opts, SCHEMA)
+    start = a.initialOffset()
+    end = a.latestOffset(start, ReadMaxRows(4))
+    parts = a.partitions(start, end)
+    rows = [row for p in parts for batch in a.read(p) for row in batch.to_pylist()]
+    assert sorted(r["id"] for r in rows) == ids[:4]
+    assert {r["body"] for r in rows} == {f"r{i}".encode() for i in range(4)}
+    assert tube_counts(conn, "r")["reserved"] == 4
+    _crash(a)
+    wait_until(lambda: tube_counts(conn, "r")["ready"] == 10, 10, "the crashed reader's jobs to be released")
+
+    b = BeanstalkStreamReader(opts, SCHEMA)
+    try:
+        nxt = b.latestOffset(end, ReadMaxRows(100))      # Spark restarts with start = the committed end
+        assert decode_ranges(nxt["jobs"][server.address]["ids"]) == ids[4:]
+        assert all(job_state(conn, i) is None for i in ids[:4]), "committed jobs are deleted, not redelivered"
+        assert b.reportLatestOffset()["cleaned"] == 4
+    finally:
+        b.stop()
+
+
+@pytest.mark.timeout(60)
+def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
+    """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import BeanstalkStreamReader, SCHEMA
+
+    conn = conn_factory(server)
+    ids = put_jobs(conn, "p", [f"p{i}".encode() for i in range(6)], ttr=5)
+    opts = SourceOptions.parse({"hosts": server.address, "tubes": "p", "prefetch": "false", "numPartitions": "3"})
+    a = BeanstalkStreamReader(opts, SCHEMA)
+    start = a.initialOffset()
+    end = a.latestOffset(start, ReadMaxRows(100))
+    _crash(a)
+    wait_until(lambda: tube_counts(conn, "p")["ready"] == 6, 10, "release after the crash")
+
+    b = BeanstalkStreamReader(opts, SCHEMA)
+    try:
+        parts = b.partitions(start, end)
+        assert len(parts) == 3
+        rows = [row for p in parts for batch in b.read(p) for row in batch.to_pylist()]
+        assert sorted(r["id"] for r in rows) == ids
+        assert {r["reserves"] for r in rows} == {2} and {r["ttr"] for r in rows} == {5}
+        assert tube_counts(conn, "p")["reserved"] == 6
+        b.latestOffset(end, ReadMaxRows(100))            # batch committed: its jobs go
+        wait_until(lambda: all(job_state(conn, i) is None for i in ids), 10, "deletes after commit")
+        assert b.reportLatestOffset()["replayed"] == 6
+    finally:
+        b.stop()

@@ -1,0 +1,211 @@
+"""The writer's partition logic without Spark: validation, failover, lost connections, markers.
+
+Fast (no SparkSession); every test runs against our broker and beanstalkd 1.12.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
+
+from spark_beanstalk.client import Connection
+from spark_beanstalk.options import OptionError, WriterOptions
+from spark_beanstalk.writer import (
+    BeanstalkUnavailableError,
+    BeanstalkWriteError,
+    ColumnSpec,
+    _arrow_chunks,
+    key_host,
+    marker_exists,
+    marker_namespace,
+    put_partition,
+    write_marker,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SCHEMA = StructType([StructField("body", StringType()), StructField("tube", StringType()),
+                     StructField("priority", LongType()), StructField("k", StringType())])
+
+
+def _put(rows: dict, hosts: str, **opts):
+    o = WriterOptions.parse({"hosts": hosts, **opts})
+    spec = ColumnSpec.from_schema(SCHEMA, o)
+    batch = pa.RecordBatch.from_pydict({name: rows.get(name, [None] * len(rows["body"])) for name in SCHEMA.fieldNames()},
+                                       schema=pa.schema([("body", pa.string()), ("tube", pa.string()),
+                                                         ("priority", pa.int64()), ("k", pa.string())]))
+    return put_partition(_arrow_chunks([batch], spec), spec, o, {"partition": 0})
+
+
+def _bodies(proc, tube: str) -> list[bytes]:
+    """Every ready job body in `tube` (reserved and deleted)."""
+    out = []
+    with Connection(proc.host, proc.port) as c:
+        c.watch_only([tube])
+        while True:
+            job = c.reserve(0)
+            if job is None:
+                return out
+            out.append(job.body)
+            c.delete(job.id)
+
+
+def test_options_errors_name_key_and_value():
+    with pytest.raises(OptionError, match="unknown beanstalk writer option.*tubee"):
+        WriterOptions.parse({"tubee": "x"})
+    with pytest.raises(OptionError, match="priority=4294967296 is above the maximum"):
+        WriterOptions.parse({"priority": str(2**32)})
+    with pytest.raises(OptionError, match="distribution=hash needs keyColumn"):
+        WriterOptions.parse({"distribution": "hash"})
+    with pytest.raises(OptionError, match="option tube: .*does not allow"):
+        WriterOptions.parse({"tube": "a b"})
+    o = WriterOptions.parse({"TTR": "7"}, {"spark.beanstalk.tube": "t", "spark.beanstalk.ttr": "9",
+                                            "spark.other": "x"})
+    assert (o.tube, o.ttr) == ("t", 7)            # explicit beats conf beats default
+    bad = StructType([StructField("body", LongType())])
+    with pytest.raises(OptionError, match="column 'body' .* must be binary or string, not bigint"):
+        ColumnSpec.from_schema(bad, o)
+    spec = ColumnSpec.from_schema(StructType([StructField("Body", BinaryType()), StructField("x", LongType())]), o)
+    assert spec.body == "Body" and spec.json_columns == ()
+
+
+def test_key_hash_is_stable():
+    # CRC-32 based: the same in every process and run, not Python's salted hash()
+    assert [key_host(k, 3) for k in ("a", "b", "user-17", 42, None)] == [0, 2, 1, 2, 0]
+
+
+def test_bad_rows_fail_before_anything_is_sent(server):
+    rows = {"body": ["ok", "x" * 70000, None, "z", "w"], "tube": ["t", "t", "t", "bad tube!", "t"],
+            "priority": [1, 2, 3, 4, 2**32]}
+    with pytest.raises(BeanstalkWriteError) as info:
+        _put(rows, server.address)
+    msg = str(info.value)
+    assert "row 1 of partition 0" in msg and "JOB_TOO_BIG: body is 70000 bytes" in msg
+    assert "row 2 of partition 0" in msg and "body is null" in msg
+    assert "row 3 of partition 0" in msg and "bad tube name 'bad tube!'" in msg
+    assert "row 4 of partition 0" in msg and "priority 4294967296 out of range" in msg
+    with Connection(server.host, server.port) as c:
+        assert c.stats_tube("t") is None          # nothing of the partition was put
+
+
+def test_dead_letter_keeps_bad_rows_and_puts_the_rest(server, tmp_path):
+    import json
+
+    rows = {"body": ["ok", "x" * 70000, "z"], "tube": ["t", "t", "-bad"], "priority": [1, 2, 3]}
+    s = _put(rows, server.address, deadLetterPath=str(tmp_path / "dl"))
+    assert (s["put"], s["dead_lettered"]) == (1, 2)
+    assert _bodies(server, "t") == [b"ok"]
+    recs = [json.loads(line) for f in (tmp_path / "dl").iterdir() for line in f.read_text().splitlines()]
+    assert sorted((r["row"], r["reason"].split(":")[0]) for r in recs) == [(1, "JOB_TOO_BIG"), (2, "bad tube name '-bad'")]
+
+
+def test_hash_spreads_by_key_and_fails_over(server_factory, server):
+    kind = server.kind
+    procs = [server, server_factory(kind), server_factory(kind)]
+    hosts = ",".join(p.address for p in procs)
+    keys = [f"user-{i % 50}" for i in range(600)]
+    s = _put({"body": [f"{k}/{i}" for i, k in enumerate(keys)], "tube": ["h"] * 600, "k": keys}, hosts,
+             keyColumn="k")
+    assert s["put"] == 600 and s["failovers"] == 0
+    for h, p in enumerate(procs):
+        got = _bodies(p, "h")
+        assert got and all(key_host(b.decode().split("/")[0], 3) == h for b in got)
+    # one broker down: its keys go to the next broker in the ring, nothing is lost
+    procs[1].kill()
+    s = _put({"body": [f"{k}/{i}" for i, k in enumerate(keys)], "tube": ["h"] * 600, "k": keys}, hosts,
+             keyColumn="k", retries="0")
+    assert s["put"] == 600 and s["failovers"] > 0
+    got = _bodies(procs[0], "h") + _bodies(procs[2], "h")
+    assert sorted(got) == sorted(f"{k}/{i}".encode() for i, k in enumerate(keys))
+
+
+def test_draining_broker_is_skipped(server_factory, server):
+    other = server_factory(server.kind)
+    server.signal(signal.SIGUSR1)                  # drain mode: puts answer DRAINING
+    with Connection(server.host, server.port) as c:
+        deadline = time.monotonic() + 10
+        while c.call("put 0 0 1 1", b"x").status != b"DRAINING":   # poll until the signal landed
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    s = _put({"body": [f"b{i}" for i in range(300)]}, f"{server.address},{other.address}", tube="dr")
+    assert s["put"] == 300 and s["hosts"] == {other.address: 300}
+    assert len(_bodies(other, "dr")) == 300
+
+
+def test_all_brokers_down_is_a_clear_error(server):
+    addr = server.address
+    server.kill()
+    with pytest.raises(BeanstalkUnavailableError) as info:
+        _put({"body": ["a", "b"]}, f"{addr},127.0.0.1:1", retries="1", retryInterval="0.05")
+    msg = str(info.value)
+    assert "no broker accepted the rows after 2 attempt(s)" in msg
+    assert addr in msg and "cannot connect" in msg and "2 were not" in msg
+
+
+class _DroppingServer:
+    """Answers `stats`, then INSERTED for the first `answer` puts, then closes the connection."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        buf = b""
+        answered = 0
+        while answered < self.answer:
+            data = conn.recv(65536)
+            if not data:
+                break
+            buf += data
+            while b"\r\n" in buf and answered < self.answer:
+                line, _, rest = buf.partition(b"\r\n")
+                if line == b"stats":
+                    body = b"---\nmax-job-size: 65535\n"
+                    conn.sendall(b"OK %d\r\n%s\r\n" % (len(body), body))
+                    buf = rest
+                elif line.startswith(b"use "):
+                    conn.sendall(b"USING " + line[4:] + b"\r\n")
+                    buf = rest
+                elif line.startswith(b"put "):
+                    size = int(line.split()[-1])
+                    if len(rest) < size + 2:
+                        break
+                    buf = rest[size + 2:]
+                    answered += 1
+                    conn.sendall(b"INSERTED %d\r\n" % answered)
+                else:
+                    buf = rest
+        conn.close()
+        self.sock.close()
+
+
+def test_lost_connection_mid_pipeline_resends_the_unanswered_rows(server):
+    fake = _DroppingServer(answer=100)
+    bodies = [f"r{i}" for i in range(1000)]
+    s = _put({"body": bodies}, f"{fake.address},{server.address}", tube="lost", retries="0")
+    assert s["put"] == 1000 and s["hosts"] == {fake.address: 100, server.address: 900}
+    got = _bodies(server, "lost")
+    acked = set(bodies[0:200:2])                   # round-robin: the fake got rows 0, 2, 4, ...
+    assert sorted(got) == sorted(b.encode() for b in bodies if b not in acked)   # the rest, once each
+
+
+def test_batch_markers(server):
+    o = WriterOptions.parse({"hosts": server.address, "markerRetain": "2"})
+    ns = marker_namespace("8d2f-query", o, explicit=False)
+    assert marker_exists(o, ns, 5) is None
+    assert write_marker(o, ns, 5, {"put": 3}) == 1
+    assert marker_exists(o, ns, 5) == server.address
+    write_marker(o, ns, 6, {"put": 3})
+    write_marker(o, ns, 7, {"put": 3})             # drops the marker of batch 5 (retain 2)
+    assert marker_exists(o, ns, 5) is None and marker_exists(o, ns, 7) == server.address
+    assert marker_namespace("a b", o, explicit=True) != "a b"       # unusable chars -> digest

@@ -1,0 +1,79 @@
+"""Keep the benchmark from rotting: build the C load generator, run it for a moment
+against real beanstalkd 1.12, and check its JSON.  Also runs broker_bench.py once on
+a single tiny row.  Takes a few seconds."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+pytestmark = [
+    pytest.mark.skipif(beanstalkd_binary() is None, reason="beanstalkd not installed"),
+    pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"),
+    pytest.mark.timeout(60),
+]
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("broker_bench", BENCH / "broker_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def loadgen():
+    return _bench_module().build_loadgen()
+
+
+def _run(loadgen, *args):
+    res = subprocess.run([str(loadgen), *args], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr + res.stdout
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("workload", ["put", "cycle"])
+def test_loadgen_json_against_beanstalkd(loadgen, workload):
+    with beanstalkd_process() as srv:
+        data = _run(loadgen, "-p", str(srv.port), "-w", workload, "-c", "4", "-d", "4", "-t", "0.5", "-W", "0.1",
+                    "-P", str(srv.pid))
+    assert data["workload"] == workload and data["conns"] == 4 and data["depth"] == 4
+    assert data["errors"] == 0 and data["conn_errors"] == 0, data["first_error"]
+    assert data["ops"] > 500 and data["ops_per_s"] > 1000
+    assert 0.4 < data["seconds"] < 2.0
+    lat = data["lat_us"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p999"] <= lat["max"] * 1.02
+    if workload == "cycle":
+        assert abs(data["jobs"] * 3 - data["ops"]) <= 3 * 4 * 4  # one job per put+reserve+delete
+    assert data["server_cpu_us_per_op"] > 0 and data["client_cpu_us"] > 0
+
+
+def test_loadgen_fill_then_drain(loadgen):
+    with beanstalkd_process() as srv:
+        fill = _run(loadgen, "-p", str(srv.port), "-w", "put", "-c", "1", "-d", "64", "-n", "3000", "-T", "smoke")
+        drain = _run(loadgen, "-p", str(srv.port), "-w", "drain", "-c", "3", "-d", "8", "-n", "3000", "-T", "smoke")
+    assert fill["ops"] == fill["jobs"] == 3000
+    assert drain["jobs"] == 3000  # every pre-filled job reserved and deleted, none more
+    assert drain["errors"] == 0 and drain["conn_errors"] == 0
+
+
+def test_broker_bench_script_one_row(tmp_path):
+    out = tmp_path / "b.json"
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--servers", "beanstalkd",
+                          "--workloads", "cycle", "--conns", "1", "--depths", "1", "--seconds", "0.5",
+                          "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "| cycle | 1 | 1 | yes |" in res.stdout
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["servers"]["beanstalkd"]["ops_per_s"] > 1000

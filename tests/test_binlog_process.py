@@ -1,0 +1,195 @@
+"""The binlog through a real broker process: restarts, fsync modes, damage handling, full disk."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from broker import binlog_format as fmt
+from spark_beanstalk.client import Connection
+from test_binlog_helpers import job_snapshot, run_ours_expect_exit, segment_files, start_ours
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _fill(conn: Connection) -> dict:
+    """A bit of everything; returns the ids by role."""
+    ids = {}
+    conn.use("alpha")
+    ids["ready"] = conn.put(b"ready body", priority=10, ttr=30)
+    ids["delayed"] = conn.put(b"delayed body", delay=500)
+    conn.use("beta")
+    ids["buried"] = conn.put(b"to bury")
+    conn.watch("beta")
+    assert conn.reserve_job(ids["buried"]) is not None
+    assert conn.bury(ids["buried"], priority=4)
+    ids["released"] = conn.put(b"to release")
+    conn.reserve_job(ids["released"])
+    assert conn.release(ids["released"], priority=6, delay=0)
+    ids["reserved"] = conn.put(b"held when the broker dies", ttr=1000)
+    conn.reserve_job(ids["reserved"])
+    ids["deleted"] = conn.put(b"to delete")
+    assert conn.delete(ids["deleted"])
+    return ids
+
+
+@pytest.mark.parametrize("flags,stop", [(["-f", "0"], "kill"), (["-f", "50"], "kill"), (["-F"], "kill"),
+                                        (["-f", "50"], "term")])
+def test_restart_keeps_jobs(tmp_path, flags, stop):
+    d = str(tmp_path / "bl")
+    err = str(tmp_path / "err.log")
+    proc = start_ours(d, *flags, stderr_path=err)
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            ids = _fill(conn)
+            before = job_snapshot(conn, ids.values())
+        proc.kill() if stop == "kill" else proc.stop()
+        proc = start_ours(d, *flags, stderr_path=err)
+        with Connection(proc.host, proc.port) as conn:
+            after = job_snapshot(conn, ids.values())
+            assert after[ids["deleted"]] is None
+            for role in ("ready", "delayed", "buried", "released", "reserved"):
+                a, b = after[ids[role]], before[ids[role]]
+                want_state = "ready" if role == "reserved" else b["state"]
+                assert (a["state"], a["tube"], a["pri"], a["body"], a["ttr"], a["releases"], a["buries"], a["kicks"]) == \
+                       (want_state, b["tube"], b["pri"], b["body"], b["ttr"], b["releases"], b["buries"], b["kicks"]), role
+            assert 490 <= after[ids["delayed"]]["time-left"] <= 500
+            assert conn.put(b"new") > max(ids.values())
+    finally:
+        proc.kill()
+    log = open(err).read()
+    assert "binlog: recovered 5 jobs (1 buried)" in log
+
+
+def test_sigterm_fsyncs_and_trims(tmp_path):
+    d = str(tmp_path / "bl")
+    proc = start_ours(d, "-F")
+    with Connection(proc.host, proc.port) as conn:
+        for i in range(20):
+            conn.put(b"x" * 100)
+    assert proc.stop() == 0
+    files = segment_files(d)
+    data = open(os.path.join(d, files[-1]), "rb").read()
+    assert not data.endswith(b"\0" * 64), "the current segment is trimmed to its data at shutdown"
+    assert data.count(b"x" * 100) == 20
+
+
+def _corrupt_middle(d: str) -> str:
+    files = segment_files(d)
+    victim = os.path.join(d, files[0])
+    with open(victim, "r+b") as fh:
+        fh.seek(fmt.HEADER_SIZE + 60)
+        b = fh.read(1)
+        fh.seek(fmt.HEADER_SIZE + 60)
+        fh.write(bytes([b[0] ^ 0x55]))
+    return victim
+
+
+def test_damage_refuses_to_start_then_flag_starts_anyway(tmp_path):
+    d = str(tmp_path / "bl")
+    proc = start_ours(d, "-s", "2048")
+    with Connection(proc.host, proc.port) as conn:
+        ids = [conn.put(b"job-%d" % i + b"." * 60) for i in range(100)]
+    proc.kill()
+    victim = _corrupt_middle(d)
+    res = run_ours_expect_exit(d, "-s", "2048")
+    assert res.returncode != 0
+    assert victim in res.stderr and "offset" in res.stderr and "--binlog-ignore-damage" in res.stderr
+    assert "Traceback" not in res.stderr
+    proc = start_ours(d, "-s", "2048", "--binlog-ignore-damage")
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            snap = job_snapshot(conn, ids)
+            present = [i for i in ids if snap[i] is not None]
+            assert 80 <= len(present) < len(ids)
+    finally:
+        proc.stop()
+    assert os.path.exists(victim + ".damaged")
+    proc = start_ours(d, "-s", "2048")  # clean again without the flag
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            assert [i for i, v in job_snapshot(conn, ids).items() if v is not None] == present
+    finally:
+        proc.stop()
+
+
+def test_torn_tail_warning_names_file_and_offset(tmp_path):
+    d = str(tmp_path / "bl")
+    err = str(tmp_path / "err.log")
+    proc = start_ours(d, stderr_path=err)
+    with Connection(proc.host, proc.port) as conn:
+        a = conn.put(b"first")
+        b = conn.put(b"second" * 20)
+    proc.kill()
+    path = os.path.join(d, segment_files(d)[-1])
+    data = open(path, "rb").read().rstrip(b"\0")
+    with open(path, "r+b") as fh:
+        fh.truncate(len(data) - 30)
+    proc = start_ours(d, stderr_path=err)
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            snap = job_snapshot(conn, [a, b])
+            assert snap[a] is not None and snap[b] is None
+    finally:
+        proc.stop()
+    log = open(err).read()
+    assert "torn record at the end of the log dropped" in log and path in log and "offset" in log
+
+
+@contextlib.contextmanager
+def _small_filesystem(size: str):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tempfile.mkdtemp(prefix="binlog-full-")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True)
+    if res.returncode != 0:
+        os.rmdir(mnt)
+        pytest.skip(f"cannot mount tmpfs: {res.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)
+        os.rmdir(mnt)
+
+
+def test_full_disk_refuses_puts_and_keeps_serving(tmp_path):
+    with _small_filesystem("1m") as mnt:
+        d = os.path.join(mnt, "bl")
+        proc = start_ours(d, "-f", "0", "-s", "131072")
+        try:
+            conn = Connection(proc.host, proc.port)
+            body = b"b" * 8000
+            ids = []
+            for _ in range(400):
+                reply = conn.call(f"put 1 0 60 {len(body)}", body)
+                if reply.status != b"INSERTED":
+                    assert reply.status == b"OUT_OF_MEMORY", reply
+                    break
+                ids.append(reply.int_arg())
+            else:
+                pytest.fail("the disk never filled up")
+            assert len(ids) > 20
+            # reads, state changes and deletes keep working
+            assert conn.peek(ids[0]).body == body
+            assert conn.stats()["current-jobs-ready"] == len(ids)
+            assert conn.reserve_job(ids[1]) is not None and conn.bury(ids[1])
+            half = len(ids) // 2
+            for job_id in ids[:half]:
+                assert conn.delete(job_id)
+            # old segments emptied by the deletes are removed: puts work again
+            reply = conn.call(f"put 1 0 60 {len(body)}", body)
+            assert reply.status == b"INSERTED", reply
+            ids.append(reply.int_arg())
+            conn.close()
+            proc.kill()
+            proc = start_ours(d, "-f", "0", "-s", "131072")
+            with Connection(proc.host, proc.port) as conn:
+                snap = job_snapshot(conn, ids)
+                assert [i for i in ids if snap[i] is not None] == ids[half:]
+                assert snap[ids[1]] is None and snap[ids[-1]]["body"] == body
+        finally:
+            proc.kill()

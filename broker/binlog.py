@@ -899,6 +899,8 @@ class Binlog(QueueListener):
             if wait > 0:
                 time.sleep(wait)
             wake.clear()
+            if self._stopping:  # close() may have set the event just before clear(): it syncs itself
+                return
             with self._fd_lock:
                 if self._fd >= 0 and self._dirty:
                     self._dirty = False

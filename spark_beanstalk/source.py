@@ -272,6 +272,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._worker: threading.Thread | None = None
         self._work: threading.Event | None = None
         self._worker_error: BaseException | None = None
+        self._delete_lock: threading.Lock | None = None
 
     def __getstate__(self) -> dict:
         return {"opts": self.opts, "schema": self.schema}
@@ -310,6 +311,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._touch_thread.start()
         self._pool = _Batch(-1)
         self._pool_lock = threading.Lock()
+        self._delete_lock = threading.Lock()
         self._work = threading.Event()
         self._worker = threading.Thread(target=self._worker_loop, name="beanstalk-prefetch", daemon=True)
         self._worker.start()
@@ -388,6 +390,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         if self._an_budget is not None:
             budget = min(budget, sum(self._an_budget.values()))
         if budget <= 0:
+            self._flush_deletes()
             return start
 
         t0 = time.perf_counter()
@@ -407,6 +410,9 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             self._prefetch_cap = budget
             self._work.set()
         if batch.count() == 0:
+            # No new batch: Spark may end the query now (AvailableNow, Once, a stop) and the process
+            # may be killed without stop(): the committed jobs must be gone before we answer.
+            self._flush_deletes()
             return start
         batch.offset = make_offset(batch.seq, {addr: (self._broker(addr).sid, cols[0])
                                                for addr, cols in batch.columns.items()})
@@ -721,12 +727,13 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             self._work.set()
 
     def _flush_deletes(self) -> None:
-        while self._delete_queue:
-            try:
-                batch = self._delete_queue.popleft()
-            except IndexError:
-                return
-            self._delete_batch(batch)
+        """Delete every committed batch queued; returns once they are all done (whoever started them)."""
+        lock = self._delete_lock
+        if lock is None:
+            return
+        with lock:
+            while self._delete_queue:
+                self._delete_batch(self._delete_queue.popleft())
 
     # --- internals: the background worker (deletes, then read-ahead) -------------------------------
     def _worker_loop(self) -> None:

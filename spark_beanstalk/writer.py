@@ -335,6 +335,9 @@ class _DeadLetter:
             self._stream = None
 
 
+_DESYNC_REPLIES = frozenset({b"BAD_FORMAT", b"EXPECTED_CRLF", b"UNKNOWN_COMMAND"})
+
+
 class _HostPool:
     """Connections of one partition to the brokers in `hosts`, with failover."""
 
@@ -409,6 +412,8 @@ class PartitionWriter:
         self.per_host: dict[str, int] = {}
         self.per_tube: dict[str, int] = {}
         self.failures: list[RowFailure] = []      # refused at send time
+        self._resync: list[Entry] = []            # rows to send again after a desynchronised reply stream
+        self.resyncs = 0
 
     # -- phase 1: validate and encode every row of the partition -------------------------
     def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
@@ -509,6 +514,16 @@ class PartitionWriter:
                 self._reassign(entries, pending)
                 continue
             retry = self._send_to(h, conn, entries)
+            if self._resync:
+                # the reply stream went out of step: the rows after the refused put are
+                # unknown; send them again on a fresh connection to the same broker
+                again, self._resync = self._resync, []
+                self.resyncs += 1
+                if self.resyncs > 3:
+                    raise BeanstalkWriteError(_describe_failures(
+                        self.failures, self.ctx, self.spec.key,
+                        f"made {self.pool.addresses[h]} answer out of step more than 3 times; giving up"))
+                pending.setdefault(h, []).extend(again)
             if retry:
                 self._reassign(retry, pending)
 
@@ -567,6 +582,12 @@ class PartitionWriter:
                 lost = lost or f"OUT_OF_MEMORY from {address}"
             else:
                 self.failures.append(self._failure(owner, f"{address} answered {line.decode('latin-1')}"))
+                if line in _DESYNC_REPLIES:
+                    # after BAD_FORMAT / EXPECTED_CRLF the server reads the body as a command, so
+                    # the following replies no longer match our commands: stop reading them
+                    self._resync = [o for o in owners[i + 1:] if isinstance(o, tuple)]
+                    lost = lost or f"{address} answered {line.decode('latin-1')} (reply stream out of step)"
+                    break
         self.put += put_here
         if put_here:
             self.per_host[address] = self.per_host.get(address, 0) + put_here
@@ -580,6 +601,8 @@ class PartitionWriter:
             self.pool.drop(h, "DRAINING (the server is in drain mode)")
         elif lost:
             self.pool.drop(h, lost)
+        if self._resync:
+            self.pool.down.pop(h, None)           # not down: only this connection is unusable
         return retry
 
     def _failure(self, entry: Entry, reason: str) -> RowFailure:

@@ -960,6 +960,29 @@ def test_connector_speaks_tls_and_auth_if_available(start_broker, certs, tmp_pat
         assert conn.delete(job)
 
 
+def test_operator_cli_speaks_tls_and_auth_if_available(start_broker, clients, certs, tmp_path):
+    cli = [sys.executable, "-m", "spark_beanstalk.cli"]
+    help_text = subprocess.run(cli + ["put", "--help"], capture_output=True, text=True, timeout=60).stdout
+    if not all(flag in help_text for flag in ("--ca-file", "--cert-file", "--key-file", "--token-file")):
+        pytest.skip("the operator CLI has no --ca-file/--cert-file/--key-file/--token-file yet")
+    token_file = tmp_path / "token"
+    token_file.write_text("cli-token\n")
+    proc = start_broker("--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+                        "--tls-client-ca", str(certs / "ca.crt"), "--auth-token-file", str(token_file))
+    common = ["-H", f"tls://127.0.0.1:{proc.port}", "--ca-file", str(certs / "ca.crt"),
+              "--cert-file", str(certs / "client.crt"), "--key-file", str(certs / "client.key")]
+    put = subprocess.run(cli + ["put", "-t", "cli-tube", *common, "--token-file", str(token_file), "--json",
+                                "from the cli"], capture_output=True, text=True, timeout=60)
+    assert put.returncode == 0, put.stderr
+    raw = Raw(proc.host, proc.port, tls=client_ctx(certs, "client"), token="cli-token")
+    assert raw.cmd("watch cli-tube") == b"WATCHING 2" and raw.cmd("ignore default") == b"WATCHING 1"
+    assert raw.cmd("reserve-with-timeout 2").startswith(b"RESERVED") and raw.last_body == b"from the cli"
+    raw.close()
+    # without the token the CLI fails clearly (non-zero exit, no traceback)
+    anon = subprocess.run(cli + ["stats", *common], capture_output=True, text=True, timeout=60)
+    assert anon.returncode != 0 and "Traceback" not in anon.stderr, anon.stderr
+
+
 # ----------------------------------------------------------------------------------------
 # metrics, config file, logging
 # ----------------------------------------------------------------------------------------

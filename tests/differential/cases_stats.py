@@ -15,7 +15,7 @@ Findings from real beanstalkd 1.12:
 """
 from __future__ import annotations
 
-from .harness import anyreply, case, close, on_tube, put, send, signal, silent, until
+from .harness import anyreply, case, close, put, send, signal, silent, until
 
 R0 = b"reserve-with-timeout 0\r\n"
 STATS = b"stats\r\n"
@@ -181,4 +181,13 @@ CASES = [
          send("c2", b"watch x\r\nignore default\r\n", n=2),
          send("c3", b"stats-tube default\r\n"),
          fresh=True),
+    case("binlog_max_size_flag_without_binlog",
+         send("c1", STATS),
+         args=["-s", "4096"]),
+    case("binlog_max_size_flag_small_without_binlog",
+         send("c1", STATS),
+         args=["-s", "1024"]),
+    case("max_job_size_flag_in_stats",
+         send("c1", STATS),
+         args=["-z", "1048576"]),
 ]

@@ -19,9 +19,17 @@ Step kinds (build them with the helpers below):
 - ``replies(c, n)``: read ``n`` more replies without writing (answers to a blocked command).
 - ``closed(c, data)``: write, then expect the server to close the connection.
 - ``close(c)`` / ``halfclose(c)``: close our end, or shut down our write side only.
-- ``until(c, data, prefix)``: poll a command until its reply starts with ``prefix``
-  (a condition, instead of sleeping); only "met"/"not met" is recorded.
+- ``until(c, data, prefix, contains=...)``: poll a command until its reply starts with
+  ``prefix`` and contains ``contains`` (a condition, instead of sleeping); only
+  "met"/"not met" is recorded.
 - ``signal(name)``: send a signal to the server process (fresh servers only).
+- ``restart(how)``: drop all connections, stop (or SIGKILL) and restart the server on the
+  same port with the same arguments (fresh servers only; binlog cases).
+
+Per-case options: ``fresh`` (own server pair), ``args`` (server flags; ``{dir}`` becomes a
+private directory per server), ``exact_times`` (also compare stats-job age/time-left),
+``polled_keys`` (stats keys a poll made unpredictable), and ``timed=True`` on a send
+(compare how long the reply took, in whole seconds).
 
 Placeholders in sent bytes: ``{t}`` is the case's own tube prefix (unique per case so cases
 can share a server), ``{jN}`` is the N-th distinct job id this case has seen in replies.
@@ -44,7 +52,10 @@ UNTIL_TIMEOUT = 6.0
 
 BODY_STATUSES = frozenset({b"RESERVED", b"FOUND", b"OK"})
 
-# Keys whose values differ between any two server processes (or with the clock).
+# Keys whose values differ between any two server processes (or with the clock). In a
+# stats body "id" is the server's random id; in a stats-job body it is the job id, which
+# is compared (renamed #N on shared servers). The "OK <bytes>" count before a body that
+# had values normalised is replaced by "<bytes>" after checking it matches the body.
 VOLATILE_STATS_KEYS = frozenset({
     b"pid", b"uptime", b"rusage-utime", b"rusage-stime", b"version", b"hostname", b"os",
     b"platform", b"id",

@@ -209,3 +209,82 @@ def test_batch_markers(server):
     write_marker(o, ns, 7, {"put": 3})             # drops the marker of batch 5 (retain 2)
     assert marker_exists(o, ns, 5) is None and marker_exists(o, ns, 7) == server.address
     assert marker_namespace("a b", o, explicit=True) != "a b"       # unusable chars -> digest
+
+
+class _RefusingServer:
+    """Answers like beanstalkd to a put it refuses with BAD_FORMAT: the body line then reads as a
+    command (UNKNOWN_COMMAND), so the replies run one ahead of the client's commands."""
+
+    def __init__(self, refuse_body: bytes) -> None:
+        self.refuse_body = refuse_body
+        self.bodies: list[bytes] = []
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        buf = b""
+        while True:
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            out = []
+            while b"\r\n" in buf:
+                line, _, rest = buf.partition(b"\r\n")
+                if line == b"stats":
+                    body = b"---\nmax-job-size: 65535\n"
+                    out.append(b"OK %d\r\n%s\r\n" % (len(body), body))
+                elif line.startswith(b"use "):
+                    out.append(b"USING " + line[4:] + b"\r\n")
+                elif line.startswith(b"put "):
+                    size = int(line.split()[-1])
+                    if len(rest) < size + 2:
+                        break
+                    body = rest[:size]
+                    if body == self.refuse_body and self.connections == 1:
+                        out.append(b"BAD_FORMAT\r\n")
+                        buf = rest                      # the body line is parsed as a command next
+                        continue
+                    self.bodies.append(body)
+                    out.append(b"INSERTED %d\r\n" % len(self.bodies))
+                    rest = rest[size + 2:]
+                else:
+                    out.append(b"UNKNOWN_COMMAND\r\n")
+                buf = rest
+            try:
+                conn.sendall(b"".join(out))
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_refused_put_that_desynchronises_replies_is_named_and_the_rest_resent():
+    fake = _RefusingServer(b"r2")
+    try:
+        with pytest.raises(BeanstalkWriteError) as info:
+            _put({"body": [f"r{i}" for i in range(50)]}, fake.address, tube="x")
+        msg = str(info.value)
+        assert "row 2 of partition 0" in msg and "answered BAD_FORMAT" in msg
+        assert "the other 49 row(s) of this partition were put" in msg
+        assert fake.connections == 2                    # a fresh connection for the rows after it
+        assert b"r2" not in fake.bodies and set(fake.bodies) == {f"r{i}".encode() for i in range(50) if i != 2}
+    finally:
+        fake.close()

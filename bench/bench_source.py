@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import shutil
-import statistics
 import struct
 import sys
 import tempfile

@@ -34,7 +34,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import resource
 import select
 import socket
 import subprocess

@@ -135,7 +135,8 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
         raise click.UsageError(f"--metrics takes ADDR:PORT, not {metrics!r}")
     hardened = limits != Limits() or tls is not None or token is not None or metrics is not None
     config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose, limits=limits,
-                          tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened)
+                          tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened,
+                          binlog_max_size=binlog_size)
     install_uvloop()
 
     def ready(server) -> None:

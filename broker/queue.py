@@ -943,9 +943,7 @@ class Queue:
         job.file = file
         tube.refs += 1
         self.jobs[job_id] = job
-        self.held_bytes += len(body)
-        self.total_jobs += 1
-        tube.total_jobs += 1
+        self.held_bytes += len(body)  # total-jobs counts puts since start, as in beanstalkd: not here
         if job_id >= self.next_id:
             self.next_id = job_id + 1
         now = self.clock()
@@ -980,7 +978,6 @@ class Queue:
             job.reserves, job.timeouts, job.releases, job.buries, job.kicks = counters
             job.file = file
             tube.refs += 1
-            tube.total_jobs += 1
             jobs[job_id] = job
             held += len(body)
             n += 1
@@ -1010,7 +1007,6 @@ class Queue:
             heapq.heapify(tube.ready)
             heapq.heapify(tube.delayed)
         self.held_bytes += held
-        self.total_jobs += n
         self.ready_ct += ready
         self.urgent_ct += urgent
         self.delayed_ct += delayed

@@ -67,6 +67,7 @@ class ServerConfig:
     auth_token: bytes | None = None
     metrics: str | None = None  # "addr:port" of the Prometheus endpoint
     extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
+    binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
 
 
 class BrokerConnection(asyncio.Protocol):
@@ -318,7 +319,8 @@ class BrokerServer:
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
         self.clock = clock
-        self.queue = Queue(clock, max_job_size=config.max_job_size, listener=listener, limits=config.limits)
+        self.queue = Queue(clock, max_job_size=config.max_job_size, listener=listener, limits=config.limits,
+                           binlog_max_size=config.binlog_max_size)
         if config.extended_stats:
             self.queue.extra_stats = lambda: self.queue.refusals.stats_items(self.queue.held_bytes)
         self.listener = listener

@@ -8,5 +8,5 @@ if ! command -v java >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
 fi
-python3 -m pip install -q --disable-pip-version-check -e '.[spark]'
+python3 -m pip install -q --disable-pip-version-check -e '.[spark]' --config-settings editable_mode=compat
 exec python3 jobs/demo.py "$@"

@@ -12,5 +12,5 @@ if ! command -v java >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
 fi
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
 exec python3 -m pytest -m "not slow" -p no:cacheprovider "$@"

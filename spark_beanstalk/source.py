@@ -20,7 +20,6 @@ query rebuilds the uncommitted batch from the offset with ``reserve-job <id>``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading

@@ -157,6 +157,7 @@ class Binlog(QueueListener):
                  ignore_damage: bool = False) -> None:
         self.dir = os.path.abspath(directory)
         self.fsync_ms = fsync_ms
+        self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does
         self.seg_size = max(int(segment_size), fmt.HEADER_SIZE + 1024)
         self._chunk = min(self.seg_size, CHUNK)  # segments are allocated this much at a time
         self.ignore_damage = ignore_damage
@@ -1001,7 +1002,7 @@ class Binlog(QueueListener):
             "current-index": self._cur,
             "records-migrated": self.records_migrated,
             "records-written": self.records_written,
-            "max-size": self.seg_size,
+            "max-size": self.requested_size,
         }
 
     def disk_usage(self) -> dict[str, int]:

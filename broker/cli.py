@@ -57,6 +57,8 @@ def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(None, "-v", "--version", package_name="spark-beanstalk",
+                      message="spark-beanstalk broker %(version)s (beanstalkd 1.12 protocol)")
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
               expose_value=False, help="Read settings from this TOML file (flags override it).")
 @click.option("-l", "--listen", default="127.0.0.1", show_default=True,
@@ -71,7 +73,7 @@ def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
 @click.option("-f", "--fsync-ms", type=click.IntRange(0), default=50, show_default=True,
               help="With -b: fsync at most every MS milliseconds (0: before every reply that acknowledges a change).")
 @click.option("-F", "--no-fsync", is_flag=True, default=False, help="With -b: never fsync.")
-@click.option("-s", "--binlog-size", type=click.IntRange(1024), default=10485760, show_default=True,
+@click.option("-s", "--binlog-size", type=click.IntRange(1), default=10485760, show_default=True,
               help="With -b: binlog segment file size in bytes.")
 @click.option("--binlog-ignore-damage", is_flag=True, default=False, expose_value=False,
               callback=lambda ctx, _param, value: ctx.meta.__setitem__("binlog_ignore_damage", value),

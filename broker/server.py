@@ -501,6 +501,7 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
     loop.add_signal_handler(signal.SIGUSR1, server.drain)
     if listener is not None:
         listener.recover(server.queue)
+        gc.freeze()  # the recovered jobs are long-lived: keep them out of future collections
     await server.start()
     if on_ready is not None:
         on_ready(server)

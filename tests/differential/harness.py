@@ -162,6 +162,8 @@ class Case:
     # Stats keys not compared in this case, because a poll (`until`) issued the command an
     # unpredictable number of times (e.g. cmd-stats while waiting for a signal to land).
     polled_keys: tuple[str, ...] = ()
+    # Keys (of any stats YAML) where we differ from beanstalkd on purpose; ``note`` says why.
+    deliberate: tuple[str, ...] = ()
 
     @property
     def tube(self) -> str:
@@ -169,11 +171,14 @@ class Case:
 
 
 def case(name: str, *steps: Step, fresh: bool = False, args: Sequence[str] = (), note: str = "",
-         exact_times: bool | tuple[str, ...] = False, polled_keys: Sequence[str] = ()) -> Case:
+         exact_times: bool | tuple[str, ...] = False, polled_keys: Sequence[str] = (),
+         deliberate: Sequence[str] = ()) -> Case:
     if args:
         fresh = True
+    if deliberate and not note:
+        raise ValueError(f"case {name}: a deliberate difference needs a note saying why")
     return Case(name, tuple(steps), fresh=fresh, args=tuple(args), note=note, exact_times=exact_times,
-                polled_keys=tuple(polled_keys))
+                polled_keys=tuple(polled_keys), deliberate=tuple(deliberate))
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,7 +293,8 @@ class IdBook:
 
 def _normalise_yaml(body: bytes, book: IdBook, rename_ids: bool, exact_times=False,
                     polled_keys: tuple[str, ...] = ()) -> tuple[bytes, bool]:
-    polled = {k.encode() for k in polled_keys}
+    polled = {k.encode() for k in polled_keys if not k.startswith("*")}
+    deliberate = {k[1:].encode() for k in polled_keys if k.startswith("*")}
     if exact_times is True:
         volatile_job_keys: frozenset = frozenset()
     elif exact_times:
@@ -312,7 +318,7 @@ def _normalise_yaml(body: bytes, book: IdBook, rename_ids: bool, exact_times=Fal
             elif is_job and key in volatile_job_keys:
                 line = key + b": <" + key + b">"
                 changed = True
-            elif is_server and (key in VOLATILE_STATS_KEYS or key in polled):
+            elif (is_server and (key in VOLATILE_STATS_KEYS or key in polled)) or key in deliberate:
                 line = key + b": <" + key + b">"
                 changed = True
         out.append(line)
@@ -386,7 +392,7 @@ def run_case(c: Case, server, rename_ids: bool) -> Transcript:
         out = []
         for _ in range(n):
             try:
-                out.append(normalise_reply(cl.read_reply(timeout), book, rename_ids, c.exact_times, c.polled_keys))
+                out.append(normalise_reply(cl.read_reply(timeout), book, rename_ids, c.exact_times, c.polled_keys + tuple('*' + k for k in c.deliberate)))
             except _Timeout:
                 partial = bytes(cl.buf)
                 cl.buf.clear()
@@ -456,7 +462,7 @@ def run_case(c: Case, server, rename_ids: bool) -> Transcript:
                 got = b""
                 try:
                     while True:
-                        got += normalise_reply(cl.read_reply(READ_TIMEOUT), book, rename_ids, c.exact_times, c.polled_keys)
+                        got += normalise_reply(cl.read_reply(READ_TIMEOUT), book, rename_ids, c.exact_times, c.polled_keys + tuple('*' + k for k in c.deliberate))
                 except _Eof:
                     got += bytes(cl.buf) + b"<CONNECTION CLOSED BY SERVER>"
                     cl.buf.clear()

@@ -157,6 +157,8 @@ class Binlog(QueueListener):
                  ignore_damage: bool = False) -> None:
         self.dir = os.path.abspath(directory)
         self.fsync_ms = fsync_ms
+        self.fsync_count = 0
+        self.fsync_seconds = 0.0
         self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does
         self.seg_size = max(int(segment_size), fmt.HEADER_SIZE + 1024)
         self._chunk = min(self.seg_size, CHUNK)  # segments are allocated this much at a time
@@ -876,7 +878,14 @@ class Binlog(QueueListener):
         with self._fd_lock:
             if self._fd >= 0:
                 self._dirty = False
-                os.fdatasync(self._fd)
+                self._timed_fdatasync()
+
+    def _timed_fdatasync(self) -> None:
+        """fdatasync the current segment (caller holds _fd_lock), counting it for the metrics."""
+        started = time.perf_counter()
+        os.fdatasync(self._fd)
+        self.fsync_seconds += time.perf_counter() - started
+        self.fsync_count += 1
 
     def _fsync_dir(self) -> None:
         if self._dirfd >= 0:
@@ -906,7 +915,7 @@ class Binlog(QueueListener):
                 if self._fd >= 0 and self._dirty:
                     self._dirty = False
                     try:
-                        os.fdatasync(self._fd)
+                        self._timed_fdatasync()
                     except OSError as exc:
                         _say(f"ERROR: fdatasync failed: {exc.strerror}")
             last = time.monotonic()
@@ -1003,6 +1012,9 @@ class Binlog(QueueListener):
             "records-migrated": self.records_migrated,
             "records-written": self.records_written,
             "max-size": self.requested_size,
+            "bytes": self._disk_bytes + self._pos,  # for the metrics endpoint, not `stats`
+            "fsync-count": self.fsync_count,
+            "fsync-seconds": self.fsync_seconds,
         }
 
     def disk_usage(self) -> dict[str, int]:

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ _SIMPLE = {
 # While a client is blocked in reserve we keep reading (to notice a hang-up), but stop
 # reading once this much unprocessed input has piled up behind the reserve.
 _MAX_BUFFER_WHILE_WAITING = 1 << 20
+_FLUSH_BYTES = 1 << 16
+_RESERVED_DESCRIPTORS = 64  # binlog segments, listeners, metrics, stdio
 
 
 @dataclass
@@ -102,17 +105,26 @@ class BrokerConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = _format_peer(peer)
         limits = self.server.config.limits
-        if limits.max_connections and self.queue.cur_conns >= limits.max_connections:
-            self.refused = True
-            self.closing = True
-            self.queue.refusals.refuse("connections", self.peer, f"{self.queue.cur_conns} open")
-            transport.close()
+        open_now = self.queue.cur_conns
+        if limits.max_connections and open_now >= limits.max_connections:
+            self._refuse("connections", f"{open_now} open")
+            return
+        if open_now >= self.server.descriptor_cap:
+            # libuv copes with EMFILE silently (accepts and drops); refusing just before it
+            # keeps descriptors for the binlog and listeners, and lets us count it.
+            self._refuse("accept_errors", f"{open_now} open, near the file descriptor limit")
             return
         transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)
         self.client = self.queue.connect(self._deliver, self.peer)
         self.server.connections.add(self)
         if self.server.config.verbose:
             logs.event(log, logging.INFO, "accept", peer=self.peer)
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused = True
+        self.closing = True
+        self.queue.refusals.refuse(reason, self.peer, detail)
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -189,10 +201,14 @@ class BrokerConnection(asyncio.Protocol):
         counts = queue.op_counts
         self.busy = True
         handled = 0
+        pending = 0  # bytes of the large replies (jobs, stats) gathered since the last write
         try:
             while True:
                 handled += 1
-                if not handled & 63:  # write out now and then: bounded output, prompt back-pressure
+                # Write out every 64 commands or 64 KiB of replies: output stays bounded (a
+                # client pipelining `peek` of big jobs), back-pressure is noticed promptly.
+                if not handled & 63 or pending > _FLUSH_BYTES:
+                    pending = 0
                     self._flush()
                     if self.write_paused or self.closing:
                         break
@@ -210,17 +226,21 @@ class BrokerConnection(asyncio.Protocol):
                 fn = simple.get(name)
                 if fn is not None:
                     counts[name] += 1
-                    out.append(fn(queue, client, *cmd[1:]))
+                    reply = fn(queue, client, *cmd[1:])
+                    out.append(reply)
+                    pending += len(reply)
                 elif name == "reserve":
                     counts[name] += 1
                     reply = queue.reserve(client, -1)
                     if reply is not None:
                         out.append(reply)
+                        pending += len(reply)
                 elif name == "reserve-with-timeout":
                     counts[name] += 1
                     reply = queue.reserve(client, cmd[1])
                     if reply is not None:
                         out.append(reply)
+                        pending += len(reply)
                 elif name == "error":
                     if cmd[2]:
                         counts[cmd[2]] += 1
@@ -334,6 +354,10 @@ class BrokerServer:
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self.metrics = None
+        soft_fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # Connections beyond this are refused: the rest of the descriptors stay for us.
+        reserve = min(_RESERVED_DESCRIPTORS, max(8, soft_fd_limit // 4))
+        self.descriptor_cap = soft_fd_limit - reserve if soft_fd_limit > 0 else 1 << 30
 
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -343,6 +367,9 @@ class BrokerServer:
         config = self.config
         tls = config.tls
         tls_ctx = tls.server_context() if tls is not None else None
+        # Our protocol sees a TLS connection only once its handshake is done, so limits and
+        # the idle sweep cannot see one that never starts it: bound that wait instead.
+        handshake = {"ssl_handshake_timeout": config.limits.idle_timeout or 10.0} if tls is not None else {}
         main_ctx = tls_ctx if tls is not None and tls.port is None else None
         listen = config.listen
         factory = lambda: BrokerConnection(self)  # noqa: E731
@@ -350,14 +377,16 @@ class BrokerServer:
             path = listen[5:]
             if os.path.exists(path):
                 os.unlink(path)
-            self.servers.append(await loop.create_unix_server(factory, path, ssl=main_ctx))
+            self.servers.append(await loop.create_unix_server(factory, path, ssl=main_ctx,
+                                                              **(handshake if main_ctx else {})))
         else:
             self.servers.append(await loop.create_server(factory, listen, config.port, reuse_address=True,
-                                                         backlog=1024, ssl=main_ctx))
+                                                         backlog=1024, ssl=main_ctx,
+                                                         **(handshake if main_ctx else {})))
         if tls is not None and tls.port is not None:
             host = "127.0.0.1" if listen.startswith("unix:") else listen
             self.servers.append(await loop.create_server(factory, host, tls.port, reuse_address=True,
-                                                         backlog=1024, ssl=tls_ctx))
+                                                         backlog=1024, ssl=tls_ctx, **handshake))
         if config.limits.idle_timeout > 0:
             self._schedule_idle_sweep()
         if config.metrics:

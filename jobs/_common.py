@@ -144,6 +144,43 @@ def watch_query(query, describe: Callable[[dict], str] | None = None, poll: floa
     return progress
 
 
+def watch_queries(watched: list[tuple[str, object, Callable[[dict], str] | None]],
+                  timeout: float | None) -> dict[str, list]:
+    """Continuous mode: print each query's batches (one thread each) until Ctrl-C, the
+    timeout, or a query fails; then stop them all. Returns each query's progress list."""
+    import threading
+
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def watch(name, query, describe):
+        try:
+            results[name] = watch_query(query, describe, label=name)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=watch, args=item, daemon=True) for item in watched]
+    for thread in threads:
+        thread.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while any(t.is_alive() for t in threads) and not errors:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        say("stopping ...")
+    finally:
+        for _name, query, _describe in watched:
+            if query.isActive:
+                query.stop()
+        for thread in threads:
+            thread.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def source_counters(progress: dict) -> dict:
     """The beanstalk source's counters (reportLatestOffset) from a progress dict, if present."""
     for source in progress.get("sources") or []:

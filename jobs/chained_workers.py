@@ -33,11 +33,10 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 
 import _common  # noqa: F401  (puts the repo on sys.path when not installed)
-from _common import get_session, say, source_counters, tube_counts, watch_query
+from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
 
 VAT = {"DE": 0.19, "FR": 0.20, "NL": 0.21, "ES": 0.21, "IT": 0.22, "PL": 0.23, "SE": 0.25, "AT": 0.20,
        "BE": 0.21, "IE": 0.23}
@@ -195,35 +194,7 @@ def run(spark, hosts: str = "127.0.0.1:11300", input_tube: str = "events", order
 
 
 def _watch(q1, stage, q2, timeout):
-    errors: list[BaseException] = []
-    progress: dict[str, list] = {}
-
-    def watch(q, describe, label):
-        try:
-            progress[label] = watch_query(q, describe, label=label)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=watch, args=(q1, stage.describe, "orders"), daemon=True),
-               threading.Thread(target=watch, args=(q2, _notify_describe, "notify"), daemon=True)]
-    for t in threads:
-        t.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while any(t.is_alive() for t in threads) and not errors:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        say("stopping ...")
-    finally:
-        for q in (q1, q2):
-            if q.isActive:
-                q.stop()
-        for t in threads:
-            t.join(30)
-    if errors:
-        raise errors[0]
+    progress = watch_queries([("orders", q1, stage.describe), ("notify", q2, _notify_describe)], timeout)
     return progress.get("orders", []), progress.get("notify", [])
 
 

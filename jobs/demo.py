@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     out = summary["out"]
     say(f"\ndone in {time.monotonic() - started:.0f}s. Output in {out}:")
     say(f"  events/       {summary['events']:,} valid events, Parquet, partitioned by ingest_batch")
-    say(f"  windows/      5-minute windows closed by the watermark, Parquet")
+    say("  windows/      5-minute windows closed by the watermark, Parquet")
     say(f"  dead_letter/  {summary['dead_letters']} bad jobs with their raw body and the reason, JSON lines")
     say("Read them with: python -c \"import pandas as pd; "
         f"print(pd.read_parquet('{_common.shown_path(out)}/windows').sort_values('window_start'))\"")

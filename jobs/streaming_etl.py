@@ -34,7 +34,7 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the repo on sys.path when not installed)
-from _common import get_session, say, source_counters, tube_counts, watch_query
+from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
 
 EVENT_TYPES = ("page_view", "add_to_cart", "remove_from_cart", "purchase", "refund")
 MONEY_EVENTS = ("add_to_cart", "remove_from_cart", "purchase", "refund")
@@ -249,37 +249,7 @@ def run(spark, out: str, hosts: str = "127.0.0.1:11300", tube: str = "events", w
 
 def _watch_both(query, ingest, wquery, timeout: float | None):
     """Continuous mode: print both queries' batches until Ctrl-C, --timeout, or one fails."""
-    import threading
-
-    results: dict[str, list] = {}
-    errors: list[BaseException] = []
-
-    def watch(name, q, describe):
-        try:
-            results[name] = watch_query(q, describe, label=name)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=watch, args=("ingest", query, ingest.describe), daemon=True),
-               threading.Thread(target=watch, args=("windows", wquery, _windows_describe), daemon=True)]
-    for t in threads:
-        t.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while any(t.is_alive() for t in threads) and not errors:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        say("stopping ...")
-    finally:
-        for q in (query, wquery):
-            if q.isActive:
-                q.stop()
-        for t in threads:
-            t.join(30)
-    if errors:
-        raise errors[0]
+    results = watch_queries([("ingest", query, ingest.describe), ("windows", wquery, _windows_describe)], timeout)
     return results.get("ingest", []), results.get("windows", [])
 
 

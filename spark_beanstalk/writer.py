@@ -30,7 +30,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from spark_beanstalk.client import Connection, ConnectionLost, encode_put
+from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.options import (
     MAX_U32,
     TUBE_NAME_CHARS,
@@ -417,7 +417,7 @@ class PartitionWriter:
 
     # -- phase 1: validate and encode every row of the partition -------------------------
     def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
-        opts, spec = self.opts, self.spec
+        opts = self.opts
         n_hosts = self.n_hosts
         by_host: list[list[Entry]] = [[] for _ in range(n_hosts)]
         bad: list[RowFailure] = []

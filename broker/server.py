@@ -24,6 +24,7 @@ from broker import protocol as p
 from broker import security
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Queue, QueueListener
+from broker.timers import NEVER
 
 log = logging.getLogger("broker")
 
@@ -261,7 +262,7 @@ class BrokerConnection(asyncio.Protocol):
         if self.paused and not client.waiting:
             self.paused = False
             self.transport.resume_reading()
-        if queue.timers.pushed:
+        if queue.timers.earliest_pushed < self.server.timer_when:
             self.server.reschedule()
 
     def _flush(self) -> None:
@@ -349,7 +350,7 @@ class BrokerServer:
         self.connections: set[BrokerConnection] = set()
         self.servers: list[asyncio.base_events.Server] = []
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_when: int | None = None
+        self.timer_when = NEVER  # when the loop timer is set for (NEVER: not set)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -431,27 +432,28 @@ class BrokerServer:
         return result
 
     def reschedule(self) -> None:
-        """Point the one loop timer at the queue's earliest deadline (if the heap changed)."""
+        """Point the one loop timer at the queue's earliest deadline, if something earlier
+        than the current timer was pushed. Stale entries at the top of the heap are left
+        for the timer to skip when it fires."""
         timers = self.queue.timers
-        if not timers.pushed:
+        if timers.earliest_pushed >= self.timer_when:
+            timers.earliest_pushed = NEVER
             return
-        timers.pushed = False
+        timers.earliest_pushed = NEVER
         when = self.queue.next_deadline()
-        if when is None:
-            return
-        if self._timer_when is not None and self._timer_when <= when and self._timer is not None:
+        if when is None or when >= self.timer_when:
             return
         if self._timer is not None:
             self._timer.cancel()
         delay = max(0.0, (when - self.clock()) / 1e9)
-        self._timer_when = when
+        self.timer_when = when
         self._timer = self._loop.call_later(delay + 0.0005, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._timer_when = None
+        self.timer_when = NEVER
         self.queue.tick()
-        self.queue.timers.pushed = True  # whatever is left is due later: look again
+        self.queue.timers.earliest_pushed = 0  # whatever is left is due later: look again
         self.reschedule()
 
     def drain(self) -> None:

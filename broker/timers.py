@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Iterator
 
+NEVER = 1 << 62
+
 # Entry kinds; the queue decides what each means.
 DELAYED_READY = 0
 TTR_EXPIRY = 1
@@ -23,13 +25,15 @@ TUBE_UNPAUSE = 3
 class TimerHeap:
     """A min-heap of (when_ns, seq, kind, owner) with lazy invalidation."""
 
-    __slots__ = ("_heap", "_seq", "_is_current", "pushed")
+    __slots__ = ("_heap", "_seq", "_is_current", "earliest_pushed")
 
     def __init__(self, is_current: Callable[[int, int, object], bool]) -> None:
         self._heap: list[tuple[int, int, int, object]] = []
         self._seq = 0
         self._is_current = is_current
-        self.pushed = False  # set by push(); the owner clears it once it has rescheduled
+        # The earliest deadline pushed since the owner last looked (NEVER: none). A new TTR is
+        # rarely the earliest deadline, so the owner can usually skip re-examining the heap.
+        self.earliest_pushed = NEVER
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -37,7 +41,8 @@ class TimerHeap:
     def push(self, when: int, kind: int, owner: object) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, kind, owner))
-        self.pushed = True
+        if when < self.earliest_pushed:
+            self.earliest_pushed = when
 
     def next_deadline(self) -> int | None:
         """The earliest live deadline, dropping stale entries on the way."""

@@ -333,10 +333,12 @@ def _text(line: str | bytes) -> str:
 
 
 def parse_hosts(spec: str, default_port: int = 11300) -> list[tuple[str, int]]:
-    """'h1:p1,h2' -> [('h1', p1), ('h2', 11300)]; raises ValueError with the bad entry."""
+    """'h1:p1,tls://h2' -> [('h1', p1), ('h2', 11300)]; raises ValueError with the bad entry."""
     hosts = []
     for raw in spec.split(","):
         entry = raw.strip()
+        if entry.startswith("tls://"):  # the scheme turns TLS on (see options.Security)
+            entry = entry[6:]
         if not entry:
             continue
         host, sep, port_text = entry.rpartition(":")

@@ -6,6 +6,7 @@ bad value raises ``OptionError`` naming the key, the value and what is allowed.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -112,6 +113,49 @@ def get_tubes(options: Mapping[str, str], key: str = "tubes", default: str = "de
     return tubes
 
 
+@dataclass(frozen=True)
+class Security:
+    """TLS and token auth for every connection the connector opens (our broker's extensions;
+    stock beanstalkd needs neither). One mixed list of plain and TLS hosts is not supported."""
+
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    auth_token: str | None = None
+
+    KEYS = ("tls", "caFile", "certFile", "keyFile", "authTokenFile")
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> "Security":
+        hosts_spec = str(_lower_keys(options).get("hosts") or "")
+        tls = get_bool(options, "tls", "tls://" in hosts_spec)
+        ca_file = get_str(options, "caFile", "") or None
+        cert_file = get_str(options, "certFile", "") or None
+        key_file = get_str(options, "keyFile", "") or None
+        for key, path in (("caFile", ca_file), ("certFile", cert_file), ("keyFile", key_file)):
+            if path and not tls:
+                raise OptionError(f"option {key} needs tls=true (or tls:// hosts)")
+            if path and not os.path.isfile(path):
+                raise OptionError(f"option {key}={path!r}: no such file")
+        token = None
+        token_file = get_str(options, "authTokenFile", "") or None
+        if token_file:
+            try:
+                lines = open(token_file, encoding="utf-8").read().split()
+            except OSError as exc:
+                raise OptionError(f"option authTokenFile={token_file!r}: {exc.strerror}") from None
+            if not lines:
+                raise OptionError(f"option authTokenFile={token_file!r} holds no token")
+            token = lines[0]
+        return cls(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file, auth_token=token)
+
+    def connect_kwargs(self) -> dict:
+        """Keyword arguments for spark_beanstalk.client.Connection."""
+        return {"tls": self.tls, "ca_file": self.ca_file, "certfile": self.cert_file, "keyfile": self.key_file,
+                "auth_token": self.auth_token}
+
+
 # --- Source options (spark.readStream.format("beanstalk")) -------------------------------
 # Owned by the source; see spark_beanstalk/source.py and docs/source.md (options table).
 
@@ -132,11 +176,12 @@ class SourceOptions:
     socket_timeout: float = 30.0             # seconds without a reply before a broker counts as lost
     prefetch: bool = True                    # reserve the next batch's jobs while the current batch runs
     prefetch_poll_ms: int = 20               # how often the read-ahead polls empty tubes
+    security: Security = Security()          # tls, caFile, certFile, keyFile, authTokenFile
 
     KEYS = (
         "hosts", "tubes", "maxJobsPerTrigger", "numPartitions", "reserveTimeout", "jobsPerConnection",
         "touchFraction", "maxReserves", "replayWaitSeconds", "socketTimeout", "prefetch", "prefetchPollMs",
-    )
+    ) + Security.KEYS
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> "SourceOptions":
@@ -172,6 +217,7 @@ class SourceOptions:
             socket_timeout=socket_timeout,
             prefetch=get_bool(options, "prefetch", True),
             prefetch_poll_ms=get_int(options, "prefetchPollMs", 20, minimum=1, maximum=10_000),
+            security=Security.parse(options),
         )
 
     @property
@@ -217,10 +263,11 @@ class WriterOptions:
     writer_id: str | None = None              # marker namespace; default: the streaming query id
     marker_retain: int = 1000                 # markers kept per writer id
     arrow: bool = True                        # data source: Arrow writer variants
+    security: Security = Security()           # tls, caFile, certFile, keyFile, authTokenFile
 
     KEYS = ("hosts", "tube", "priority", "delay", "ttr", "keyColumn", "distribution",
             "deadLetterPath", "validate", "maxJobSize", "window", "timeout", "connectTimeout",
-            "retries", "retryInterval", "dedup", "writerId", "markerRetain", "arrow")
+            "retries", "retryInterval", "dedup", "writerId", "markerRetain", "arrow") + Security.KEYS
 
     @classmethod
     def conf_defaults(cls, conf: Mapping[str, str] | None) -> dict[str, str]:
@@ -278,6 +325,7 @@ class WriterOptions:
             writer_id=get_str(o, "writerId", "") or None,
             marker_retain=get_int(o, "markerRetain", 1000, 1),
             arrow=get_bool(o, "arrow", True),
+            security=Security.parse(o),
         )
 
     def host_names(self) -> list[str]:

@@ -284,7 +284,8 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     # --- connections --------------------------------------------------------------------
     def _connect(self, host: str, port: int) -> Connection:
         try:
-            return Connection(host, port, timeout=self.opts.socket_timeout, connect_timeout=10.0)
+            return Connection(host, port, timeout=self.opts.socket_timeout, connect_timeout=10.0,
+                              **self.opts.security.connect_kwargs())
         except ConnectionLost as exc:
             raise BeanstalkSourceError(
                 f"beanstalk source: cannot reach broker {host}:{port} ({exc}); check the 'hosts' option") from None

@@ -358,7 +358,8 @@ class _HostPool:
             return None
         host, port = self.opts.hosts[h]
         try:
-            conn = Connection(host, port, timeout=self.opts.timeout, connect_timeout=self.opts.connect_timeout)
+            conn = Connection(host, port, timeout=self.opts.timeout, connect_timeout=self.opts.connect_timeout,
+                              **self.opts.security.connect_kwargs())
             stats = conn.stats()
         except (ConnectionLost, OSError) as exc:
             self.down[h] = f"cannot connect: {exc.__cause__ or exc}"
@@ -680,7 +681,8 @@ def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | N
     tube = marker_tube(namespace, batch_id)
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout) as conn:
+            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
+                            **opts.security.connect_kwargs()) as conn:
                 st = conn.stats_tube(tube)
         except (ConnectionLost, OSError):
             continue
@@ -705,7 +707,8 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
     written = 0
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout) as conn:
+            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
+                            **opts.security.connect_kwargs()) as conn:
                 conn.use(tube)
                 conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
                 written += 1

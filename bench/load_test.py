@@ -160,7 +160,6 @@ def measure_active(host: str, port: int, tube: str, seconds: float, rate: float,
                 errors.append(f"put: {r!r}")
                 continue
             r = c.cmd(b"reserve-with-timeout 5\r\n")
-            t2 = time.perf_counter_ns()
             if not r.startswith(b"RESERVED"):
                 errors.append(f"reserve: {r!r}")
                 continue

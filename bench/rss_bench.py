@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         return statistics.median(vals) if vals else None
 
     mb = lambda v: "-" if v is None else f"{v / 1e6:.0f} MB"  # noqa: E731
-    lines = [f"| server | jobs ready | load time | puts/s while loading | peak RSS (VmHWM) | bytes/job | ratio to beanstalkd |",
+    lines = ["| server | jobs ready | load time | puts/s while loading | peak RSS (VmHWM) | bytes/job | ratio to beanstalkd |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     base = med("beanstalkd", "vmhwm")
     summary = {}

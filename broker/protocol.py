@@ -128,8 +128,8 @@ def read_uint(line: bytes, pos: int, limit: int, to_end: bool) -> tuple[int, int
     return value, pos
 
 
-def _c_strtol(text: bytes) -> tuple[int | None, bool]:
-    """C strtol/strtoul prefix parse: (value or None if no digits, overflowed)."""
+def _c_strtol(text: bytes) -> int | None:
+    """C strtol/strtoul prefix parse: the signed value, or None when there are no digits."""
     pos = 0
     n = len(text)
     while pos < n and text[pos] in C_SPACE:
@@ -142,14 +142,14 @@ def _c_strtol(text: bytes) -> tuple[int | None, bool]:
     while pos < n and 48 <= text[pos] <= 57:
         pos += 1
     if pos == start:
-        return None, False
+        return None
     value = int(text[start:pos])
-    return (-value if negative else value), False
+    return -value if negative else value
 
 
 def parse_strtoul_u32(text: bytes) -> int:
     """kick's count: strtoul, then stored in a 32-bit unsigned int."""
-    value, _ = _c_strtol(text)
+    value = _c_strtol(text)
     if value is None:
         raise ParseError(BAD_FORMAT)
     magnitude = abs(value)
@@ -162,7 +162,7 @@ def parse_strtoul_u32(text: bytes) -> int:
 
 def parse_strtol_int(text: bytes) -> int:
     """reserve-with-timeout's seconds: strtol (no digits means 0), then a C int."""
-    value, _ = _c_strtol(text)
+    value = _c_strtol(text)
     if value is None:
         return 0
     if not LONG_MIN <= value <= LONG_MAX:
@@ -310,11 +310,11 @@ class Decoder:
     None when more input is needed. Items:
 
     * ``(name, *args)``: a parsed command (``put`` comes as
-      ``("put", pri, delay, ttr, body)``; ``body`` is None when the trailing CRLF was
-      wrong, which is answered EXPECTED_CRLF but still costs an id);
+      ``("put", pri, delay, ttr, body, header_seen)``; ``body`` is None when the trailing
+      CRLF was wrong, which is answered EXPECTED_CRLF but still costs an id);
     * ``("put-header", pri, delay, ttr, size)``: a put line whose body has not fully
       arrived yet (beanstalkd assigns the id at this moment); the matching ``put``
-      follows with ``size=-1`` in place of the ttr-following slot;
+      follows with ``header_seen`` True;
     * ``("error", reply, counted)``: answer ``reply``; ``counted`` is the command
       whose stats counter beanstalkd still increments, or None;
     * ``("too-big",)``: a put over the size limit was parsed (counted as a put); its

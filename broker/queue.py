@@ -350,8 +350,6 @@ class Queue:
         client.use.using -= 1
         self._unref(client.use)
         client.deadlines.clear()
-        if client.pending_put_id:
-            client.pending_put_id = 0
 
     def _set_producer(self, client: Client) -> None:
         if not client.producer:

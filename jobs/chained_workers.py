@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401  (puts the repo on sys.path when not installed)
+import _common  # noqa: F401 (imported for its side effect: puts the repo on sys.path when not installed)
 from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
 
 VAT = {"DE": 0.19, "FR": 0.20, "NL": 0.21, "ES": 0.21, "IT": 0.22, "PL": 0.23, "SE": 0.25, "AT": 0.20,

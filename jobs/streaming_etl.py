@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-import _common  # noqa: F401  (puts the repo on sys.path when not installed)
+import _common  # noqa: F401 (imported for its side effect: puts the repo on sys.path when not installed)
 from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
 
 EVENT_TYPES = ("page_view", "add_to_cart", "remove_from_cart", "purchase", "refund")

@@ -1,8 +1,6 @@
 """Shared fixtures: real server processes on free ports, one SparkSession per session."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from spark_beanstalk.client import Connection

@@ -221,8 +221,20 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> tuple | Non
     return None
 
 
+# Lines without a job id repeat endlessly ("put 0 0 60 312", "reserve", "use jobs"): their
+# parse is cached. Bounded: cleared when full.
+_LINE_CACHE: dict[bytes, tuple] = {}
+_LINE_CACHE_SIZE = 4096
+_UNCACHED = _ID_ONLY | {"release"}
+
+
 def parse_line(line: bytes, max_job_size: int) -> tuple:
     """Parse one command line (without CRLF) into a command tuple; raises ParseError."""
+    cmd = _LINE_CACHE.get(line)
+    if cmd is not None:
+        if cmd[0] == "put" and cmd[4] > max_job_size:
+            raise TooBig(cmd[4] + 2)
+        return cmd
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")
@@ -230,6 +242,10 @@ def parse_line(line: bytes, max_job_size: int) -> tuple:
     if name is not None:
         cmd = _fast_parse(parts, name, max_job_size)
         if cmd is not None:
+            if name not in _UNCACHED:
+                if len(_LINE_CACHE) >= _LINE_CACHE_SIZE:
+                    _LINE_CACHE.clear()
+                _LINE_CACHE[line] = cmd
             return cmd
     name = classify(line)
     if name is None:
@@ -346,6 +362,35 @@ class Decoder:
     def buffered(self) -> int:
         """Bytes received but not yet consumed."""
         return len(self.buf) - self.pos
+
+    def parse_packet(self, data: bytes) -> tuple | None:
+        """The command ``data`` holds, if it is exactly one well-formed command and nothing
+        is buffered; None otherwise (then :meth:`feed` it).
+
+        A request/response client sends one command per packet: decoding it straight from
+        the packet skips the buffer copy and the incremental state machine. Lines with an
+        error, and puts without their whole body and CRLF, are left to that exact path.
+        """
+        if self.pos != len(self.buf) or self.mode != _LINE:
+            return None
+        end = data.find(b"\r")
+        if end < 0 or end > LINE_LIMIT - 2 or end + 1 == len(data) or data[end + 1] != 10:
+            return None
+        line = data[:end]
+        cmd = _LINE_CACHE.get(line)
+        if cmd is None:
+            if self.auth_enabled and line.startswith(b"auth "):
+                return None
+            try:
+                cmd = parse_line(line, self.max_job_size)
+            except (ParseError, TooBig):
+                return None  # answered by the exact path
+        if cmd[0] == "put":
+            size = cmd[4]
+            if size > self.max_job_size or len(data) != end + size + 4 or data[-2] != 13 or data[-1] != 10:
+                return None
+            return ("put", cmd[1], cmd[2], cmd[3], data[end + 2:-2], False)
+        return cmd if len(data) == end + 2 else None
 
     def next_command(self) -> tuple | None:
         mode = self.mode

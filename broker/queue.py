@@ -254,6 +254,7 @@ class Queue:
         self.held_bytes = 0  # total size of the bodies held
         self.max_job_size = max_job_size
         self.listener = listener or QueueListener()
+        self.listening = listener is not None  # skip the no-op calls on the hot paths
         self.binlog_max_size = binlog_max_size
         self.started = clock()
         self.tubes = SwapSet()
@@ -309,9 +310,13 @@ class Queue:
     def _unref(self, tube: Tube) -> None:
         tube.refs -= 1
         if tube.refs <= 0:
-            del self.tube_by_name[tube.name]
-            self.tubes.remove(tube)
-            self.waited_tubes.pop(tube, None)
+            self._drop_tube(tube)
+
+    def _drop_tube(self, tube: Tube) -> None:
+        """The last job, user and watcher of a tube are gone: it disappears, as in beanstalkd."""
+        del self.tube_by_name[tube.name]
+        self.tubes.remove(tube)
+        self.waited_tubes.pop(tube, None)
 
     # -- clients -----------------------------------------------------------------
     def connect(self, deliver: Callable[[bytes], None], peer: str = "") -> Client:
@@ -395,7 +400,8 @@ class Queue:
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
             self.urgent_ct -= 1
-        tube.ready = _pruned(tube.ready, tube.ready_count)
+        if len(tube.ready) > 2 * tube.ready_count + 64:
+            tube.ready = _pruned(tube.ready, tube.ready_count)
 
     def _remove_delayed(self, job: Job) -> None:
         job.entry = None
@@ -428,11 +434,14 @@ class Queue:
         self.timers.push(deadline, TTR_EXPIRY, job)
 
     def _unreserve(self, client: Client, job: Job) -> None:
-        del client.reserved[job.id]
+        reserved = client.reserved
+        del reserved[job.id]
         job.reserver = None
         job.tube.reserved_count -= 1
         self.reserved_ct -= 1
-        if len(client.deadlines) > 2 * len(client.reserved) + 64:
+        if not reserved:
+            client.deadlines.clear()  # every entry left is stale
+        elif len(client.deadlines) > 2 * len(reserved) + 64:
             client.deadlines = [e for e in client.deadlines if e[2].reserver is client and e[2].state == RESERVED]
             heapq.heapify(client.deadlines)
 
@@ -586,10 +595,11 @@ class Queue:
         now = self.clock()
         tube = client.use
         job = Job(job_id, tube, pri, delay * NS, (ttr or 1) * NS, body, now)  # TTR 0 means 1 s
-        try:
-            self.listener.job_put(job)
-        except StorageFull:
-            return p.OUT_OF_MEMORY
+        if self.listening:
+            try:
+                self.listener.job_put(job)
+            except StorageFull:
+                return p.OUT_OF_MEMORY
         tube.refs += 1
         self.jobs[job_id] = job
         self.held_bytes += len(body)
@@ -602,11 +612,12 @@ class Queue:
         """Reserve for this client; None means it now waits (the reply comes via deliver)."""
         if not client.worker:
             self._set_worker(client)
-        if self._reserve_refused(client):
-            return p.OUT_OF_MEMORY
         now = self.clock()
-        if client.reserved and self._deadline_soon(client, now) and not self._client_ready(client):
-            return p.DEADLINE_SOON
+        if client.reserved:
+            if self._reserve_refused(client):
+                return p.OUT_OF_MEMORY
+            if self._deadline_soon(client, now) and not self._client_ready(client):
+                return p.DEADLINE_SOON
         fast = self._fast_reserve(client, now)
         if fast is not None:
             return fast
@@ -641,16 +652,20 @@ class Queue:
         waiting on a tube that has ready jobs and is not paused, so this client is the
         one served; only the rotation counter of that tube's wait list moves.
         """
-        best: Job | None = None
+        best: tuple | None = None  # the (pri, id, job) heap entry to serve
         for tube in client.watch.items:
             if tube.ready_count and not tube.waiting.items:
                 if tube.pause:
                     if tube.unpause_at > now:
                         continue
                     tube.pause = 0
-                job = tube.ready_top()
-                if best is None or job.pri < best.pri or (job.pri == best.pri and job.id < best.id):
-                    best = job
+                heap = tube.ready
+                entry = heap[0]
+                while entry[2].entry is not entry:  # drop stale entries
+                    heapq.heappop(heap)
+                    entry = heap[0]
+                if best is None or entry < best:  # by (pri, id): ids are unique
+                    best = entry
         if best is None:
             return None
         if self.waiting_ct:
@@ -658,11 +673,13 @@ class Queue:
             for tube in self.waited_tubes:
                 if tube.ready_count and (not tube.pause or tube.unpause_at <= now):
                     return None
-        tube = best.tube
+        job = best[2]
+        tube = job.tube
         tube.waiting.last_use = 1
-        self._remove_ready(best)
-        self._reserve(client, best, now)
-        return job_reply(b"RESERVED", best)
+        heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
+        self._remove_ready(job)
+        self._reserve(client, job, now)
+        return b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(job.body), job.body)
 
     def reserve_job(self, client: Client, job_id: int) -> bytes:
         job = self.jobs.get(job_id)
@@ -702,8 +719,11 @@ class Queue:
         job.state = INVALID
         del self.jobs[job_id]
         self.held_bytes -= len(job.body)
-        self.listener.job_deleted(job)
-        self._unref(tube)
+        if self.listening:
+            self.listener.job_deleted(job)
+        tube.refs -= 1
+        if tube.refs <= 0:
+            self._drop_tube(tube)
         return p.DELETED
 
     def release(self, client: Client, job_id: int, pri: int, delay: int) -> bytes:

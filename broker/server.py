@@ -58,6 +58,7 @@ _SIMPLE = {
 _MAX_BUFFER_WHILE_WAITING = 1 << 20
 _FLUSH_BYTES = 1 << 16
 _RESERVED_DESCRIPTORS = 64  # binlog segments, listeners, metrics, stdio
+_QUIT = object()  # _execute's answer to quit: the connection is closing
 
 
 @dataclass
@@ -131,6 +132,21 @@ class BrokerConnection(asyncio.Protocol):
         if self.closing:
             return
         self.activity += 1
+        if self.authed and not self.client.waiting:
+            # The fast path: one command decoded straight from its packet.
+            cmd = self.decoder.parse_packet(data)
+            if cmd is not None:
+                self.busy = True
+                try:
+                    reply = self._execute(cmd)
+                finally:
+                    self.busy = False
+                if reply is not None and reply is not _QUIT:
+                    self.out.append(reply)
+                self._flush()  # the reply, or one a reserve got through deliver()
+                if self.queue.timers.earliest_pushed < self.server.timer_when:
+                    self.server.reschedule()
+                return
         self.decoder.feed(data)
         if self.client.waiting:
             if self.decoder.buffered() > _MAX_BUFFER_WHILE_WAITING and not self.paused:
@@ -198,8 +214,6 @@ class BrokerConnection(asyncio.Protocol):
         client = self.client
         decoder = self.decoder
         out = self.out
-        simple = _SIMPLE
-        counts = queue.op_counts
         self.busy = True
         handled = 0
         pending = 0  # bytes of the large replies (jobs, stats) gathered since the last write
@@ -220,42 +234,12 @@ class BrokerConnection(asyncio.Protocol):
                 cmd = decoder.next_command()
                 if cmd is None:
                     break
-                name = cmd[0]
-                if name == "put":
-                    out.append(queue.put(client, cmd[1], cmd[2], cmd[3], cmd[4], cmd[5]))
-                    continue
-                fn = simple.get(name)
-                if fn is not None:
-                    counts[name] += 1
-                    reply = fn(queue, client, *cmd[1:])
+                reply = self._execute(cmd)
+                if reply is not None:
+                    if reply is _QUIT:
+                        return
                     out.append(reply)
                     pending += len(reply)
-                elif name == "reserve":
-                    counts[name] += 1
-                    reply = queue.reserve(client, -1)
-                    if reply is not None:
-                        out.append(reply)
-                        pending += len(reply)
-                elif name == "reserve-with-timeout":
-                    counts[name] += 1
-                    reply = queue.reserve(client, cmd[1])
-                    if reply is not None:
-                        out.append(reply)
-                        pending += len(reply)
-                elif name == "error":
-                    if cmd[2]:
-                        counts[cmd[2]] += 1
-                    out.append(cmd[1])
-                elif name == "put-header":
-                    queue.put_header(client)
-                elif name == "too-big":
-                    counts["put"] += 1
-                elif name == "quit":
-                    self._flush()
-                    self._close()
-                    return
-                elif name == "auth":
-                    out.append(self._check_token(cmd[1]))
         finally:
             self.busy = False
         self._flush()
@@ -264,6 +248,41 @@ class BrokerConnection(asyncio.Protocol):
             self.transport.resume_reading()
         if queue.timers.earliest_pushed < self.server.timer_when:
             self.server.reschedule()
+
+    def _execute(self, cmd: tuple) -> bytes | object | None:
+        """Run one decoded command; the reply, None when there is none yet (a reserve now
+        waiting, a put header), or _QUIT once the connection is closing."""
+        name = cmd[0]
+        queue = self.queue
+        if name == "put":
+            return queue.put(self.client, cmd[1], cmd[2], cmd[3], cmd[4], cmd[5])
+        if name == "reserve":
+            queue.op_counts[name] += 1
+            return queue.reserve(self.client, -1)
+        fn = _SIMPLE.get(name)
+        if fn is not None:
+            queue.op_counts[name] += 1
+            if len(cmd) == 2:
+                return fn(queue, self.client, cmd[1])
+            return fn(queue, self.client, *cmd[1:])
+        if name == "reserve-with-timeout":
+            queue.op_counts[name] += 1
+            return queue.reserve(self.client, cmd[1])
+        if name == "error":
+            if cmd[2]:
+                queue.op_counts[cmd[2]] += 1
+            return cmd[1]
+        if name == "put-header":
+            queue.put_header(self.client)
+        elif name == "too-big":
+            queue.op_counts["put"] += 1
+        elif name == "quit":
+            self._flush()
+            self._close()
+            return _QUIT
+        elif name == "auth":
+            return self._check_token(cmd[1])
+        return None
 
     def _flush(self) -> None:
         out = self.out

@@ -725,9 +725,9 @@ class Binlog(QueueListener):
         created = job.created + self._wall_off
         delay = job.delay
         if delay:
-            head = _JOB.pack(1, job.id, 1, job.pri, delay, job.ttr, created, created + delay, 0, 0, 0, 0, 0, len(tb))
+            head = _JOB.pack(1, job.id, 1, job.pri, delay, job.ttr * NS, created, created + delay, 0, 0, 0, 0, 0, len(tb))
         else:
-            head = _JOB.pack(1, job.id, 0, job.pri, 0, job.ttr, created, 0, 0, 0, 0, 0, 0, len(tb))
+            head = _JOB.pack(1, job.id, 0, job.pri, 0, job.ttr * NS, created, 0, 0, 0, 0, 0, 0, len(tb))
         buf = self._buf
         buf += _FRAME.pack(size - 8, _crc32(body, _crc32(tb, _crc32(head))))
         buf += head
@@ -765,7 +765,7 @@ class Binlog(QueueListener):
             return False
         state = job.state
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        head = _JOB.pack(1, job.id, state, job.pri, job.delay, job.ttr, job.created + self._wall_off, deadline,
+        head = _JOB.pack(1, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off, deadline,
                          job.reserves, job.timeouts, job.releases, job.buries, job.kicks, len(tb))
         buf = self._buf
         buf += _FRAME.pack(size - 8, _crc32(body, _crc32(tb, _crc32(head))))

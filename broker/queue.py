@@ -129,7 +129,7 @@ class Job:
         self.tube = tube
         self.pri = pri
         self.delay = delay  # ns
-        self.ttr = ttr  # ns
+        self.ttr = ttr  # seconds: small ints are shared, ns would cost an int object per job
         self.body = body
         self.state = INVALID
         self.created = created
@@ -425,7 +425,7 @@ class Queue:
         job.state = RESERVED
         job.reserver = client
         job.reserves += 1
-        job.deadline = deadline = now + job.ttr
+        job.deadline = deadline = now + job.ttr * NS
         client.reserved[job.id] = job
         heapq.heappush(client.deadlines, (deadline, job.id, job))
         job.tube.reserved_count += 1
@@ -594,7 +594,7 @@ class Queue:
             return p.OUT_OF_MEMORY
         now = self.clock()
         tube = client.use
-        job = Job(job_id, tube, pri, delay * NS, (ttr or 1) * NS, body, now)  # TTR 0 means 1 s
+        job = Job(job_id, tube, pri, delay * NS, ttr or 1, body, now)  # TTR 0 means 1 s
         if self.listening:
             try:
                 self.listener.job_put(job)
@@ -752,7 +752,7 @@ class Queue:
         job = client.reserved.get(job_id)
         if job is None:
             return p.NOT_FOUND
-        job.deadline = deadline = self.clock() + job.ttr
+        job.deadline = deadline = self.clock() + job.ttr * NS
         heapq.heappush(client.deadlines, (deadline, job_id, job))
         self.timers.push(deadline, TTR_EXPIRY, job)
         return p.TOUCHED
@@ -874,7 +874,7 @@ class Queue:
             f"pri: {job.pri}\n"
             f"age: {_trunc_div(now - job.created, NS)}\n"
             f"delay: {job.delay // NS}\n"
-            f"ttr: {job.ttr // NS}\n"
+            f"ttr: {job.ttr}\n"
             f"time-left: {time_left}\n"
             f"file: {job.file}\n"
             f"reserves: {job.reserves}\n"
@@ -956,7 +956,7 @@ class Queue:
                     file: int = 0) -> Job:
         """Put a recovered job back in its state (reserved comes back ready)."""
         tube = self._tube(tube_name)
-        job = Job(job_id, tube, pri, delay_ns, ttr_ns, body, created)
+        job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
         job.reserves, job.timeouts, job.releases, job.buries, job.kicks = counters
         job.file = file
         tube.refs += 1
@@ -992,7 +992,7 @@ class Queue:
             tube = tubes.get(tube_name)
             if tube is None:
                 tube = tubes[tube_name] = self._tube(tube_name)
-            job = Job(job_id, tube, pri, delay_ns, ttr_ns, body, created)
+            job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
             job.reserves, job.timeouts, job.releases, job.buries, job.kicks = counters
             job.file = file
             tube.refs += 1

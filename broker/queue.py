@@ -117,11 +117,35 @@ class SwapSet:
         return item
 
 
+def _rare_counter(index: int) -> property:
+    """A job counter kept in the shared ``Job.rare`` list, created on the first non-zero value."""
+
+    def get(job: "Job") -> int:
+        rare = job.rare
+        return rare[index] if rare is not None else 0
+
+    def set_(job: "Job", value: int) -> None:
+        if job.rare is None:
+            job.rare = [0, 0, 0, 0]
+        job.rare[index] = value
+
+    return property(get, set_)
+
+
 class Job:
-    """One job. Counters are plain ints; no timer handle (see broker.timers)."""
+    """One job; no timer handle (see broker.timers).
+
+    A broker holds millions of these, so they are lean: TTR in seconds, and the counters
+    most jobs never use (timeouts, releases, buries, kicks) share one list that exists
+    only once one of them is non-zero.
+    """
 
     __slots__ = ("id", "tube", "pri", "delay", "ttr", "body", "state", "created", "deadline",
-                 "reserver", "entry", "reserves", "timeouts", "releases", "buries", "kicks", "file")
+                 "reserver", "entry", "reserves", "rare", "file")
+    timeouts = _rare_counter(0)
+    releases = _rare_counter(1)
+    buries = _rare_counter(2)
+    kicks = _rare_counter(3)
 
     def __init__(self, job_id: int, tube: "Tube", pri: int, delay: int, ttr: int, body: bytes,
                  created: int) -> None:
@@ -137,11 +161,14 @@ class Job:
         self.reserver: Client | None = None
         self.entry: tuple | None = None  # current ready/delay heap entry (identity = validity)
         self.reserves = 0
-        self.timeouts = 0
-        self.releases = 0
-        self.buries = 0
-        self.kicks = 0
+        self.rare: list[int] | None = None
         self.file = 0
+
+    def set_counters(self, counters: tuple[int, int, int, int, int]) -> None:
+        """(reserves, timeouts, releases, buries, kicks), as a recovered job had them."""
+        self.reserves = counters[0]
+        if counters[1] or counters[2] or counters[3] or counters[4]:
+            self.rare = list(counters[1:])
 
 
 class Tube:
@@ -957,7 +984,7 @@ class Queue:
         """Put a recovered job back in its state (reserved comes back ready)."""
         tube = self._tube(tube_name)
         job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
-        job.reserves, job.timeouts, job.releases, job.buries, job.kicks = counters
+        job.set_counters(counters)
         job.file = file
         tube.refs += 1
         self.jobs[job_id] = job
@@ -993,7 +1020,7 @@ class Queue:
             if tube is None:
                 tube = tubes[tube_name] = self._tube(tube_name)
             job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
-            job.reserves, job.timeouts, job.releases, job.buries, job.kicks = counters
+            job.set_counters(counters)
             job.file = file
             tube.refs += 1
             jobs[job_id] = job

@@ -235,6 +235,10 @@ def parse_line(line: bytes, max_job_size: int) -> tuple:
         if cmd[0] == "put" and cmd[4] > max_job_size:
             raise TooBig(cmd[4] + 2)
         return cmd
+    return _parse_uncached(line, max_job_size)
+
+
+def _parse_uncached(line: bytes, max_job_size: int) -> tuple:
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")
@@ -382,7 +386,7 @@ class Decoder:
             if self.auth_enabled and line.startswith(b"auth "):
                 return None
             try:
-                cmd = parse_line(line, self.max_job_size)
+                cmd = _parse_uncached(line, self.max_job_size)
             except (ParseError, TooBig):
                 return None  # answered by the exact path
         if cmd[0] == "put":

@@ -80,7 +80,7 @@ class BrokerConnection(asyncio.Protocol):
 
     __slots__ = ("server", "queue", "transport", "client", "decoder", "out", "busy", "eof",
                  "closing", "paused", "write_paused", "refused", "authed", "auth_failures",
-                 "activity", "idle_sweeps", "peer", "stall_timer")
+                 "activity", "idle_sweeps", "peer", "stall_timer", "sync_point")
 
     def __init__(self, server: "BrokerServer") -> None:
         self.server = server
@@ -100,6 +100,8 @@ class BrokerConnection(asyncio.Protocol):
         self.peer = "?"
         self.stall_timer: asyncio.TimerHandle | None = None
         self.decoder = p.Decoder(server.config.max_job_size, auth_enabled=not self.authed)
+        # Called before acknowledging replies go out (binlog fsync with -f 0); None = nothing to do.
+        self.sync_point = server.sync_point
 
     # -- asyncio callbacks ------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -141,9 +143,12 @@ class BrokerConnection(asyncio.Protocol):
                     reply = self._execute(cmd)
                 finally:
                     self.busy = False
-                if reply is not None and reply is not _QUIT:
-                    self.out.append(reply)
-                self._flush()  # the reply, or one a reserve got through deliver()
+                if self.out:  # a reply a reserve got through deliver()
+                    if reply is not None and reply is not _QUIT:
+                        self.out.append(reply)
+                    self._flush()
+                elif reply is not None and reply is not _QUIT:
+                    self._write(reply)
                 if self.queue.timers.earliest_pushed < self.server.timer_when:
                     self.server.reschedule()
                 return
@@ -286,18 +291,23 @@ class BrokerConnection(asyncio.Protocol):
 
     def _flush(self) -> None:
         out = self.out
-        if out and not self.closing:
-            sync = self.server.sync_point
-            if sync is not None:
-                sync()
-            transport = self.transport
-            transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if self.write_paused and transport.get_write_buffer_size() > self.server.config.limits.max_output_bytes:
-                self.queue.refusals.refuse("slow_reader", self.peer,
-                                           f"{transport.get_write_buffer_size()} reply bytes unread")
-                self.closing = True
-                transport.abort()  # connection_lost releases its reservations
-        out.clear()
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        if self.closing:
+            return
+        if self.sync_point is not None:
+            self.sync_point()
+        transport = self.transport
+        transport.write(data)
+        if self.write_paused and transport.get_write_buffer_size() > self.server.config.limits.max_output_bytes:
+            self.queue.refusals.refuse("slow_reader", self.peer,
+                                       f"{transport.get_write_buffer_size()} reply bytes unread")
+            self.closing = True
+            transport.abort()  # connection_lost releases its reservations
 
     def _check_token(self, offered: bytes) -> bytes:
         if security.token_matches(self.server.config.auth_token, offered):

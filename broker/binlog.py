@@ -157,6 +157,7 @@ class Binlog(QueueListener):
                  ignore_damage: bool = False) -> None:
         self.dir = os.path.abspath(directory)
         self.fsync_ms = fsync_ms
+        self.syncs_every_reply = fsync_ms == 0
         self.fsync_count = 0
         self.fsync_seconds = 0.0
         self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does

@@ -63,6 +63,11 @@ class QueueListener:
     def recover(self, queue: "Queue") -> None:
         """At start, before serving: put every logged job back (see Queue.restore_job)."""
 
+    # True when sync_point is expensive on every call (an fsync: -f 0). The server then
+    # holds the replies of one event-loop iteration and calls sync_point once for all of
+    # them (group commit) instead of once per connection.
+    syncs_every_reply = False
+
     def sync_point(self) -> None:
         """Called before replies that acknowledge changes are written (fsync here for -f 0)."""
 

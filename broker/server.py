@@ -299,8 +299,17 @@ class BrokerConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self.closing:
             return
+        if self.server.group_commit:
+            self.server.hold_for_commit(self, data)
+            return
         if self.sync_point is not None:
             self.sync_point()
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        """Write replies whose changes are already durable as the binlog's -f asks."""
+        if self.closing:
+            return
         transport = self.transport
         transport.write(data)
         if self.write_paused and transport.get_write_buffer_size() > self.server.config.limits.max_output_bytes:
@@ -358,6 +367,8 @@ class BrokerConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         if not self.closing:
+            if self.server.held_replies:
+                self.server.commit_group()  # this connection's last replies may be held
             self.closing = True
             self.transport.close()
 
@@ -376,6 +387,10 @@ class BrokerServer:
         self.listener = listener
         # Called before acknowledging replies go out (binlog fsync with -f 0); None = nothing to do.
         self.sync_point = listener.sync_point if listener is not None else None
+        # -f 0: the replies of one loop iteration wait for one fsync (see hold_for_commit).
+        self.group_commit = listener is not None and listener.syncs_every_reply
+        self.held_replies: list[tuple[BrokerConnection, bytes]] = []
+        self.held_bytes = 0
         self.connections: set[BrokerConnection] = set()
         self.servers: list[asyncio.base_events.Server] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -451,6 +466,31 @@ class BrokerServer:
                 self.queue.refusals.refuse("idle", conn.peer, f"silent for {limit:g}s")
                 conn._close()
         self._schedule_idle_sweep()
+
+    def hold_for_commit(self, conn: BrokerConnection, data: bytes) -> None:
+        """Group commit: keep a reply until the end of this event-loop iteration.
+
+        Every connection served in one iteration shares one fsync, where beanstalkd's -f 0
+        pays one per command. Replies still leave only after the fsync (nothing is
+        acknowledged before it is durable), and in order, since every reply of every
+        connection goes through here while group commit is on.
+        """
+        if not self.held_replies:
+            self._loop.call_soon(self.commit_group)
+        self.held_replies.append((conn, data))
+        self.held_bytes += len(data)
+        if self.held_bytes > OUTPUT_HIGH_WATER:
+            self.commit_group()  # big replies (peek floods): write now, so back-pressure can act
+
+    def commit_group(self) -> None:
+        held = self.held_replies
+        if not held:
+            return
+        self.held_replies = []
+        self.held_bytes = 0
+        self.sync_point()
+        for conn, data in held:
+            conn._send(data)
 
     def addresses(self) -> list[str]:
         result = []

@@ -193,3 +193,61 @@ def test_full_disk_refuses_puts_and_keeps_serving(tmp_path):
                 assert snap[ids[1]] is None and snap[ids[-1]]["body"] == body
         finally:
             proc.kill()
+
+
+def _fsync_count(metrics_addr: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("beanstalk_binlog_fsync_seconds_count"):
+                return int(float(line.split()[-1]))
+    raise AssertionError("no beanstalk_binlog_fsync_seconds_count in the metrics")
+
+
+def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
+    """-f 0, 20 connections whose puts arrive in the same instant (the broker is stopped with
+    SIGSTOP while they are sent): every put is acknowledged only after an fsync, yet they
+    share a few fsyncs instead of paying one each, and every acknowledged job survives a
+    SIGKILL."""
+    import signal
+    import socket
+
+    from spark_beanstalk.embedded import free_port
+
+    d = str(tmp_path / "bl")
+    metrics = f"127.0.0.1:{free_port()}"
+    proc = start_ours(d, "-f", "0", "--metrics", metrics)
+    socks = []
+    try:
+        for _ in range(20):
+            sock = socket.create_connection((proc.host, proc.port), timeout=10)
+            sock.sendall(b"use group\r\n")
+            assert sock.recv(64) == b"USING group\r\n"  # accepted and served before the pause
+            socks.append(sock)
+        before = _fsync_count(metrics)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for n, sock in enumerate(socks):
+                body = b"job %02d" % n
+                sock.sendall(b"put 0 0 60 %d\r\n%s\r\n" % (len(body), body))
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        ids = []
+        for sock in socks:
+            reply = b""
+            while not reply.endswith(b"\r\n"):
+                reply += sock.recv(64)
+            assert reply.startswith(b"INSERTED "), reply
+            ids.append(int(reply.split()[1]))
+        fsyncs = _fsync_count(metrics) - before
+        assert 1 <= fsyncs <= 5, f"{fsyncs} fsyncs for 20 puts that arrived together"
+        proc.kill()
+        proc = start_ours(d, "-f", "0")
+        with Connection(proc.host, proc.port) as conn:
+            snap = job_snapshot(conn, ids)
+        assert sorted(s["body"] for s in snap.values()) == [b"job %02d" % n for n in range(20)]
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.kill()

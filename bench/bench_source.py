@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Spark source benchmark: broker -> spark.readStream.format("beanstalk") -> parquet, delete on commit.
 
-For each server (our broker, beanstalkd 1.12) in the same run:
+For each server (our broker, beanstalkd 1.12) in the same run, after draining --warmup jobs
+(the JIT needs a couple of full batches before the numbers mean anything):
 
 1. drain: N jobs (100-byte bodies) are loaded into a paused tube while the query idles;
    the tube is un-paused and the clock runs until every job is deleted (= its batch
@@ -145,6 +146,13 @@ def sum_progress(progresses: list[dict]) -> dict:
     return dur
 
 
+def per_batch(progresses: list[dict]) -> list[dict]:
+    """Rows and the main durations of each micro-batch (to see warm-up and uneven batches)."""
+    keys = ("latestOffset", "queryPlanning", "addBatch", "walCommit", "commitOffsets", "triggerExecution")
+    return [{"rows": p.get("numInputRows"), **{k: (p.get("durationMs") or {}).get(k) for k in keys}}
+            for p in progresses]
+
+
 def source_timing(query) -> dict:
     p = query.lastProgress
     if not p:
@@ -169,15 +177,18 @@ def run_server(spark, kind: str, args) -> dict:
     result: dict = {"server": kind}
     try:
         conn = Connection(proc.host, proc.port)
-        # warm up: the first micro-batch of a query costs ~10 s of JVM/Python start-up
-        fill(proc.address, 100, b"W")
+        # warm up: the first micro-batch of a query costs ~10 s of JVM/Python start-up, and the
+        # JIT needs a few full batches before it is fast (without this the first server measured
+        # pays for it: up to 3x the addBatch time of the second)
+        fill(proc.address, args.warmup, b"W")
         df = (spark.readStream.format("beanstalk").option("hosts", proc.address).option("tubes", TUBE)
               .option("maxJobsPerTrigger", str(args.max_jobs_per_trigger))
               .option("numPartitions", str(args.num_partitions)).load())
         query = (df.writeStream.format("parquet").option("path", str(out_dir))
                  .option("checkpointLocation", str(work / "ckpt"))
                  .trigger(processingTime=args.trigger).start())
-        wait_drained(conn, 120)
+        wait_drained(conn, 300)
+        time.sleep(1.0)
 
         # 1. drain
         conn.call(f"pause-tube {TUBE} 3600")
@@ -185,9 +196,11 @@ def run_server(spark, kind: str, args) -> dict:
         n_before = len(query.recentProgress)
         before = source_timing(query).get("timing_ms", {})
         t0 = time.monotonic()
+        wall0 = time.time()
         conn.call(f"pause-tube {TUBE} 0")
         t1 = wait_drained(conn, 600)
         drain_s = t1 - t0
+        wall1 = time.time()
         time.sleep(1.0)
         after = source_timing(query)
         progresses = [p for p in query.recentProgress[n_before:] if p.get("numInputRows")]
@@ -199,6 +212,8 @@ def run_server(spark, kind: str, args) -> dict:
             "source_ms": {k: round(after.get("timing_ms", {}).get(k, 0) - before.get(k, 0))
                           for k in after.get("timing_ms", {})},
             "spark_duration_ms": sum_progress(progresses),
+            "per_batch": per_batch(progresses),
+            "wall": [wall0, wall1],
         }
 
         # 2. latency at a fixed rate
@@ -230,7 +245,7 @@ def run_server(spark, kind: str, args) -> dict:
         }
         total = spark.read.parquet(str(out_dir)).count()
         result["sink_rows"] = total
-        result["expected_rows"] = 100 + args.jobs + done.value
+        result["expected_rows"] = args.warmup + args.jobs + done.value
         result["counters"] = {k: after.get(k) for k in ("reserved", "deleted", "touched", "lost", "connections")}
         conn.close()
     finally:
@@ -248,6 +263,8 @@ def main() -> None:
     ap.add_argument("--trigger", default="500 milliseconds")
     ap.add_argument("--max-jobs-per-trigger", type=int, default=50_000)
     ap.add_argument("--num-partitions", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=OUT / "source.json", help="where the JSON results go")
+    ap.add_argument("--warmup", type=int, default=100_000, help="jobs drained before measuring (JIT warm-up)")
     args = ap.parse_args()
 
     from spark_beanstalk.session import get_spark
@@ -256,8 +273,8 @@ def main() -> None:
     results = [run_server(spark, kind.strip(), args) for kind in args.servers.split(",") if kind.strip()]
     spark.stop()
 
-    OUT.mkdir(exist_ok=True)
-    (OUT / "source.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "results": results}, indent=2))
     print("\n| server | drain jobs/s | drain s | batches | put-to-sink p50 | p90 | p99 | rate | rows ok |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:

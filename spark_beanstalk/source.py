@@ -20,19 +20,21 @@ query rebuilds the uncommitted batch from the offset with ``reserve-job <id>``.
 """
 from __future__ import annotations
 
+import array
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, StructField, StructType,
                                TimestampType)
 
-from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
+from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, split_replies
 from spark_beanstalk.options import SourceOptions
 
 log = logging.getLogger("spark_beanstalk.source")
@@ -52,7 +54,6 @@ SCHEMA_DDL = ("id BIGINT, tube STRING, body BINARY, priority BIGINT, ttr INT, re
               "broker STRING, reserved_at TIMESTAMP")
 
 OFFSET_VERSION = 1
-_RESERVE0 = b"reserve-with-timeout 0\r\n"
 _PIPELINE_WINDOW = 1024
 
 
@@ -153,25 +154,123 @@ def _parse_stats_job_slow(body: bytes) -> tuple[str, int, int, int, str]:
     return tube, pri, ttr, reserves, state
 
 
+# One whole stats-job reply as beanstalkd 1.12 and our broker print it (fields in this order).
+# Groups: id, tube, state, pri, ttr, reserves. Replies in another layout take the slow path.
+_STATS_JOB = re.compile(
+    rb"OK \d+\r\n---\nid: (\d+)\ntube: ([^\n]*)\nstate: ([a-z]+)\npri: (\d+)\nage: [^\n]*\ndelay: [^\n]*\n"
+    rb"ttr: (\d+)\ntime-left: [^\n]*\nfile: [^\n]*\nreserves: (\d+)\n[^\r]*\r\n")
+
+
+class JobStats(NamedTuple):
+    """Columns of the stats of the jobs that still exist, in the order asked; `missing` = the others."""
+
+    ids: list[int]
+    tubes: list[str]
+    pris: list[int]
+    ttrs: list[int]
+    reserves: list[int]
+    states: list[str]
+    missing: list[int]
+
+
+def stats_jobs(conn: Connection, ids: Sequence[int]) -> JobStats:
+    """stats-job every id, one round trip per _PIPELINE_WINDOW ids, each parsed with one regex pass.
+
+    The source pays this for every job it reads, so it avoids per-reply Python work: the
+    replies of a run are matched at once, checked against the ids asked for, and only if
+    that fails (a job gone, an unexpected layout) parsed one by one.
+    """
+    if len(ids) <= _PIPELINE_WINDOW:
+        return _stats_run(conn, ids)
+    out = JobStats([], [], [], [], [], [], [])
+    for lo in range(0, len(ids), _PIPELINE_WINDOW):
+        for column, part in zip(out, _stats_run(conn, ids[lo:lo + _PIPELINE_WINDOW])):
+            column.extend(part)
+    return out
+
+
+def _stats_run(conn: Connection, ids: Sequence[int]) -> JobStats:
+    raw = conn.bulk(b"".join([b"stats-job %d\r\n" % j for j in ids]))
+    rows = _STATS_JOB.findall(raw)
+    found = [int(r[0]) for r in rows]
+    if len(rows) != len(ids) or found != list(ids):
+        return _stats_jobs_slow(raw, ids)
+    names: dict[bytes, str] = {}
+    for r in rows:
+        if r[1] not in names:
+            names[r[1]] = r[1].strip(b'"').decode()
+    states = {b"reserved": "reserved"}
+    return JobStats(found, [names[r[1]] for r in rows], [int(r[3]) for r in rows], [int(r[4]) for r in rows],
+                    [int(r[5]) for r in rows], [states.get(r[2]) or r[2].decode() for r in rows], [])
+
+
+def _stats_jobs_slow(raw: bytes, ids: Sequence[int]) -> JobStats:
+    out = JobStats([], [], [], [], [], [], [])
+    for jid, (_line, body) in zip(ids, split_replies(raw)):
+        if body is None:
+            out.missing.append(jid)
+            continue
+        tube, pri, ttr, reserves, state = parse_stats_job(body)
+        for column, value in zip(out, (jid, tube, pri, ttr, reserves, state)):
+            column.append(value)
+    return out
+
+
+def failed_commands(conn: Connection, commands: Sequence[bytes], ok: bytes) -> list[int]:
+    """Send commands with one-line replies (delete, touch, release, bury) in runs of
+    _PIPELINE_WINDOW; returns the indexes of those whose reply was not `ok` (usually none)."""
+    failed: list[int] = []
+    want = ok + b"\r\n"
+    for lo in range(0, len(commands), _PIPELINE_WINDOW):
+        run = commands[lo:lo + _PIPELINE_WINDOW]
+        raw = conn.bulk(b"".join(run))
+        if raw.count(want) != len(run):
+            failed.extend(lo + i for i, line in enumerate(raw.split(b"\r\n")[:len(run)]) if line != ok)
+    return failed
+
+
+def delete_jobs(conn: Connection, ids: Sequence[int]) -> int:
+    """Delete the jobs; returns how many were deleted (the rest were gone or not ours)."""
+    return len(ids) - len(failed_commands(conn, [b"delete %d\r\n" % j for j in ids], b"DELETED"))
+
+
 # --- partitions ----------------------------------------------------------------------------
 
 class BeanstalkPartition(InputPartition):
-    """One Spark partition: the columns of the jobs it carries (bodies included)."""
+    """One Spark partition: its jobs as one Arrow record batch (bodies included).
 
-    def __init__(self, broker: str, ids: list, tubes: list, bodies: list, pris: list, ttrs: list,
-                 reserves: list, reserved_at_us: list) -> None:
+    Built by the driver-side reader in ``partitions``: Arrow pickles as a few buffers, so
+    shipping it is cheap, and ``read`` on the executor has nothing left to convert.
+    """
+
+    def __init__(self, broker: str, batch) -> None:
         super().__init__(None)
         self.broker = broker
-        self.ids = ids
-        self.tubes = tubes
-        self.bodies = bodies
-        self.pris = pris
-        self.ttrs = ttrs
-        self.reserves = reserves
-        self.reserved_at_us = reserved_at_us
+        self.batch = batch    # pyarrow.RecordBatch in SCHEMA's column order
 
     def __repr__(self) -> str:
-        return f"BeanstalkPartition({self.broker}, {len(self.ids)} jobs)"
+        return f"BeanstalkPartition({self.broker}, {self.batch.num_rows} jobs)"
+
+
+def arrow_batch(schema, broker: str, cols: tuple[list, ...], lo: int, hi: int):
+    """Rows lo:hi of a broker's columns (ids, tubes, bodies, pris, ttrs, reserves, reserved_at_us)
+    as a pyarrow.RecordBatch of `schema` (the Arrow form of SCHEMA)."""
+    import pyarrow as pa
+
+    ids, tubes, bodies, pris, ttrs, reserves, at_us = (c[lo:hi] for c in cols)
+    n = len(ids)
+    first = tubes[0] if tubes else ""
+    # pa.array is slow on large Python ints; array('q') converts them in C.
+    return pa.RecordBatch.from_arrays([
+        pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(array.array("q", ids))]),
+        pa.repeat(first, n) if tubes.count(first) == n else pa.array(tubes, pa.string()),
+        pa.array(bodies, pa.binary()),
+        pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(array.array("q", pris))]),
+        pa.array(ttrs, pa.int32()),
+        pa.array(reserves, pa.int32()),
+        pa.repeat(broker, n),
+        pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, pa.py_buffer(array.array("q", at_us))]),
+    ], schema=schema)
 
 
 class _Batch:
@@ -187,19 +286,14 @@ class _Batch:
         # reservation connection -> ids of this batch held on it
         self.held: dict["_ResConn", list[int]] = {}
 
-    def add(self, rc: "_ResConn", job_id: int, tube: str, body: bytes, pri: int, ttr: int, reserves: int,
-            at_us: int) -> None:
+    def extend(self, rc: "_ResConn", columns: tuple[list, ...]) -> None:
+        """Add the jobs just reserved on rc, as columns in the order of `self.columns`' lists."""
         cols = self.columns.get(rc.broker.address)
         if cols is None:
             cols = self.columns[rc.broker.address] = ([], [], [], [], [], [], [])
-        cols[0].append(job_id)
-        cols[1].append(tube)
-        cols[2].append(body)
-        cols[3].append(pri)
-        cols[4].append(ttr)
-        cols[5].append(reserves)
-        cols[6].append(at_us)
-        self.held.setdefault(rc, []).append(job_id)
+        for mine, new in zip(cols, columns):
+            mine.extend(new)
+        self.held.setdefault(rc, []).extend(columns[0])
 
     def count(self) -> int:
         return sum(len(c[0]) for c in self.columns.values())
@@ -217,13 +311,16 @@ class _ResConn:
         self.min_ttr = 0
         self.dead = False
 
-    def add_held(self, job_id: int, ttr: int, now: float) -> None:
+    def add_held(self, ids: list[int], ttrs: list[int], now: float) -> None:
+        """Jobs just reserved on this connection (touch scheduling follows the smallest TTR)."""
+        if not ids:
+            return
         if not self.held:
             self.last_touch = now
-            self.min_ttr = ttr
-        elif ttr < self.min_ttr:
-            self.min_ttr = ttr
-        self.held[job_id] = ttr
+            self.min_ttr = min(ttrs)
+        else:
+            self.min_ttr = min(self.min_ttr, min(ttrs))
+        self.held.update(zip(ids, ttrs))
 
     def touch_due(self, fraction: float) -> float:
         return self.last_touch + max(self.min_ttr, 1) * fraction
@@ -376,11 +473,14 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             self._cleaned_upto = start_seq
             if start_seq > 0 and start_seq not in self._batches:
                 self._cleanup_unheld(start)
-        self._delete_committed(start_seq)
+        # Queued now, started after this call's reserving: both go to the same broker, and the
+        # reserving is what Spark is waiting for.
+        self._delete_committed(start_seq, wake=False)
         self._last_seq = max(self._last_seq, start_seq)
         # A batch planned earlier and not used yet (defensive; Spark does not normally do this).
         pending = self._batches.get(start_seq + 1)
         if pending is not None and pending.offset is not None:
+            self._work.set()
             return pending.offset
 
         if isinstance(limit, ReadMaxRows):
@@ -408,7 +508,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         # Read ahead for the next batch while this one runs (not under AvailableNow: its end is fixed).
         if self.opts.prefetch and self._an_budget is None and isinstance(limit, ReadMaxRows):
             self._prefetch_cap = budget
-            self._work.set()
+        self._work.set()    # the deletes queued above, then the read-ahead
         if batch.count() == 0:
             # No new batch: Spark may end the query now (AvailableNow, Once, a stop) and the process
             # may be killed without stop(): the committed jobs must be gone before we answer.
@@ -463,7 +563,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                     rc.held.pop(j, None)
                 if not rc.dead:
                     try:
-                        rc.conn.pipeline_lines([b"release %d %d 0\r\n" % (j, drop[j]) for j in gone])
+                        failed_commands(rc.conn, [b"release %d %d 0\r\n" % (j, drop[j]) for j in gone], b"RELEASED")
                     except ConnectionLost as exc:
                         self._conn_lost(rc, exc)
 
@@ -523,6 +623,9 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         batch = self._batches.get(seq)
         if batch is None or batch.offset != end:
             batch = self._replay(end)
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        schema = to_arrow_schema(self.schema, timezone="UTC")
         parts: list[InputPartition] = []
         n = self.opts.num_partitions
         for addr in sorted(batch.columns):
@@ -533,35 +636,17 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             k = min(n, size)
             step = -(-size // k)
             for lo in range(0, size, step):
-                hi = lo + step
-                parts.append(BeanstalkPartition(addr, *(c[lo:hi] for c in cols)))
+                parts.append(BeanstalkPartition(addr, arrow_batch(schema, addr, cols, lo, lo + step)))
         self._timing["partitions_ms"] += (time.perf_counter() - t0) * 1000
         return parts
 
     def read(self, partition: InputPartition) -> Iterator:
-        import pyarrow as pa
-        from pyspark.sql.pandas.types import to_arrow_schema
-
-        _t0 = time.perf_counter()
-        p = partition
-        assert isinstance(p, BeanstalkPartition)
-        pa_schema = to_arrow_schema(self.schema, timezone="UTC")
-        n = len(p.ids)
-        arrays = [
-            pa.array(p.ids, pa.int64()),
-            pa.array(p.tubes, pa.string()),
-            pa.array(p.bodies, pa.binary()),
-            pa.array(p.pris, pa.int64()),
-            pa.array(p.ttrs, pa.int32()),
-            pa.array(p.reserves, pa.int32()),
-            pa.array([p.broker] * n, pa.string()),
-            pa.array(p.reserved_at_us, pa.timestamp("us", tz="UTC")),
-        ]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=pa_schema)
+        """Yield the partition's record batch: it was built by ``partitions`` on the driver side."""
+        assert isinstance(partition, BeanstalkPartition)
         if _TRACE:
             import sys as _sys
-            print(f"SBTRACE read {n} rows in {time.perf_counter() - _t0:.3f}s pid={os.getpid()}", file=_sys.stderr)
-        yield batch
+            print(f"SBTRACE read {partition.batch.num_rows} rows pid={os.getpid()}", file=_sys.stderr)
+        yield partition.batch
 
     # --- internals: reserving ---------------------------------------------------------------
     def _broker(self, addr: str) -> _Broker:
@@ -594,52 +679,55 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def _reserve_window(self, rc: _ResConn, batch: _Batch, window: int) -> tuple[int, int]:
         """Pipeline `window` reserves on rc, then stats-job for what came. Returns (kept, reserved)."""
-        conn = rc.conn
-        jobs: list[tuple[int, bytes]] = []
-        for line, body in conn.pipeline_replies([_RESERVE0] * window):
-            if body is not None and line.startswith(b"RESERVED "):
-                jobs.append((int(line.split(b" ", 2)[1]), body))
-            elif line not in (b"TIMED_OUT", b"DEADLINE_SOON"):
+        ids, bodies, others = rc.conn.reserve_many(window)
+        for line in others:
+            if line not in (b"TIMED_OUT", b"DEADLINE_SOON"):
                 raise BeanstalkSourceError(f"beanstalk source: {rc.broker.address} answered reserve with {line!r}")
-        if not jobs:
+        if not ids:
             return 0, 0
-        return self._admit(rc, batch, jobs), len(jobs)
+        return self._admit(rc, batch, ids, bodies), len(ids)
 
-    def _admit(self, rc: _ResConn, batch: _Batch, jobs: list[tuple[int, bytes]], check_poison: bool = True) -> int:
-        """stats-job the reserved jobs, bury poison, add the rest to the batch (caller holds rc.lock)."""
+    def _admit(self, rc: _ResConn, batch: _Batch, ids: list[int], bodies: list[bytes],
+               check_poison: bool = True) -> int:
+        """stats-job the jobs just reserved on rc, bury poison, add the rest to the batch (caller holds rc.lock)."""
         t0 = time.perf_counter()
-        conn = rc.conn
         b = rc.broker
         now_wall_us = int(time.time() * 1_000_000)
         now = time.monotonic()
-        stats = conn.pipeline_replies([b"stats-job %d\r\n" % jid for jid, _ in jobs])
-        poison: list[tuple[int, int]] = []
-        kept = 0
+        st = stats_jobs(rc.conn, ids)
+        b.counters["reserved"] += len(ids)
+        if st.missing:
+            b.counters["lost"] += len(st.missing)     # vanished between reserve and stats (someone deleted it)
+            gone = set(st.missing)
+            bodies = [body for jid, body in zip(ids, bodies) if jid not in gone]
+        columns = (st.ids, st.tubes, bodies, st.pris, st.ttrs, st.reserves)
         max_reserves = self.opts.max_reserves if check_poison else 0
-        for (jid, body), (line, sbody) in zip(jobs, stats):
-            if sbody is None:
-                b.counters["lost"] += 1      # vanished between reserve and stats (someone deleted it)
-                continue
-            tube, pri, ttr, reserves, _state = parse_stats_job(sbody)
-            if max_reserves and reserves > max_reserves:
-                poison.append((jid, pri))
-                continue
-            batch.add(rc, jid, tube, body, pri, ttr, reserves, now_wall_us)
-            rc.add_held(jid, ttr, now)
-            kept += 1
-        b.counters["reserved"] += len(jobs)
-        if poison:
-            for (jid, _pri), line in zip(poison, conn.pipeline_lines([b"bury %d %d\r\n" % (jid, pri) for jid, pri in poison])):
-                if line == b"BURIED":
-                    b.counters["buried"] += 1
-                    log.warning("beanstalk source: buried poison job %s on %s (reserved more than %d times)",
-                                jid, b.address, max_reserves)
-                else:
-                    b.counters["lost"] += 1
+        if max_reserves and st.reserves and max(st.reserves) > max_reserves:
+            columns = self._bury_poison(rc, columns, max_reserves)
+        kept = len(columns[0])
+        batch.extend(rc, (*columns, [now_wall_us] * kept))
+        rc.add_held(columns[0], columns[4], now)
         self._timing["stats_ms"] += (time.perf_counter() - t0) * 1000
         if kept and self._wake is not None:
             self._wake.set()
         return kept
+
+    def _bury_poison(self, rc: _ResConn, columns: tuple[list, ...], max_reserves: int) -> tuple[list, ...]:
+        """Bury the jobs reserved more than max_reserves times; returns the columns of the others."""
+        b = rc.broker
+        reserves = columns[5]
+        poison = [i for i, r in enumerate(reserves) if r > max_reserves]
+        ids, pris = columns[0], columns[3]
+        failed = set(failed_commands(rc.conn, [b"bury %d %d\r\n" % (ids[i], pris[i]) for i in poison], b"BURIED"))
+        for k, i in enumerate(poison):
+            if k in failed:
+                b.counters["lost"] += 1
+            else:
+                b.counters["buried"] += 1
+                log.warning("beanstalk source: buried poison job %s on %s (reserved more than %d times)",
+                            ids[i], b.address, max_reserves)
+        keep = [i for i, r in enumerate(reserves) if r <= max_reserves]
+        return tuple([col[i] for i in keep] for col in columns)
 
     def _reserve_blocking(self, b: _Broker, batch: _Batch, budget: int) -> None:
         """Wait up to reserveTimeout seconds for one job, so an idle query does not spin."""
@@ -651,7 +739,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                 self._conn_lost(rc, exc)
                 raise BeanstalkSourceError(f"beanstalk source: lost broker {b.address} while reserving: {exc}") from None
             if reply.status == b"RESERVED":
-                self._admit(rc, batch, [(int(reply.args[0]), reply.body or b"")])
+                self._admit(rc, batch, [int(reply.args[0])], [reply.body or b""])
         # more may have come meanwhile: take them in the same batch
         if batch.count() and budget > 1:
             self._reserve_from(b, batch, budget - 1)
@@ -700,30 +788,28 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             chunk = ids[pos:pos + min(cap - len(rc.held), _PIPELINE_WINDOW)]
             pos += len(chunk)
             with rc.lock:
-                jobs = []
+                got, bodies = [], []
                 for jid, (line, body) in zip(chunk, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in chunk])):
                     if body is not None and line.startswith(b"RESERVED "):
-                        jobs.append((jid, body))
+                        got.append(jid)
+                        bodies.append(body)
                     else:
                         missing.append(jid)
-                if jobs:
+                if got:
                     # A replayed batch is replayed whole: no poison check (it was planned with these jobs).
-                    self._admit(rc, batch, jobs, check_poison=False)
-                    b.counters["replayed"] += len(jobs)
+                    self._admit(rc, batch, got, bodies, check_poison=False)
+                    b.counters["replayed"] += len(got)
         if not missing:
             return []
-        waiting = []
-        for jid, (line, body) in zip(missing, b.control.pipeline_replies([b"stats-job %d\r\n" % j for j in missing])):
-            if body is not None and parse_stats_job(body)[4] == "reserved":
-                waiting.append(jid)
-        return waiting
+        st = stats_jobs(b.control, missing)
+        return [jid for jid, state in zip(st.ids, st.states) if state == "reserved"]
 
     # --- internals: deleting --------------------------------------------------------------------
-    def _delete_committed(self, upto_seq: int) -> None:
+    def _delete_committed(self, upto_seq: int, wake: bool = True) -> None:
         """Hand the committed batches to the background worker, which deletes their jobs."""
         for seq in sorted(s for s in self._batches if s <= upto_seq):
             self._delete_queue.append(self._batches.pop(seq))
-        if self._delete_queue and self._work is not None:
+        if wake and self._delete_queue and self._work is not None:
             self._work.set()
 
     def _flush_deletes(self) -> None:
@@ -775,10 +861,9 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
                     orphans.setdefault(b, []).extend(ids)
                     continue
                 try:
-                    lines = rc.conn.pipeline_lines([b"delete %d\r\n" % j for j in ids])
-                    ok = lines.count(b"DELETED")
+                    ok = delete_jobs(rc.conn, ids)
                     b.counters["deleted"] += ok
-                    b.counters["lost"] += len(lines) - ok
+                    b.counters["lost"] += len(ids) - ok
                 except ConnectionLost as exc:
                     self._conn_lost(rc, exc)
                     orphans.setdefault(b, []).extend(ids)
@@ -791,10 +876,9 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         try:
             if b.control is None:
                 b.control = self._connect(b.host, b.port)
-            lines = b.control.pipeline_lines([b"delete %d\r\n" % j for j in ids])
-            ok = lines.count(b"DELETED")
+            ok = delete_jobs(b.control, ids)
             b.counters["cleaned"] += ok
-            b.counters["lost"] += len(lines) - ok
+            b.counters["lost"] += len(ids) - ok
         except (ConnectionLost, BeanstalkSourceError) as exc:
             log.warning("beanstalk source: could not delete %d committed jobs on %s (%s); "
                         "they will be delivered again", len(ids), b.address, exc)
@@ -815,8 +899,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def _delete_anywhere_quiet(self, b: _Broker, ids: list[int]) -> None:
         try:
-            lines = b.control.pipeline_lines([b"delete %d\r\n" % j for j in ids])
-            b.counters["cleaned"] += lines.count(b"DELETED")
+            b.counters["cleaned"] += delete_jobs(b.control, ids)
         except ConnectionLost as exc:
             log.warning("beanstalk source: cleanup of committed jobs on %s failed: %s", b.address, exc)
 
@@ -872,13 +955,12 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             ids = list(rc.held)
             started = time.monotonic()
             try:
-                for jid, line in zip(ids, rc.conn.pipeline_lines([b"touch %d\r\n" % j for j in ids])):
-                    if line == b"TOUCHED":
-                        b.counters["touched"] += 1
-                    else:
-                        b.counters["lost"] += 1
-                        rc.held.pop(jid, None)
-                        self._touch_error = f"job {jid} on {b.address} could not be touched ({line!r})"
+                failed = failed_commands(rc.conn, [b"touch %d\r\n" % j for j in ids], b"TOUCHED")
+                b.counters["touched"] += len(ids) - len(failed)
+                for i in failed:
+                    b.counters["lost"] += 1
+                    rc.held.pop(ids[i], None)
+                    self._touch_error = f"job {ids[i]} on {b.address} could not be touched"
                 rc.last_touch = started
             except (ConnectionLost, OSError) as exc:
                 self._touch_error = f"{b.address}: {exc}"

@@ -119,6 +119,32 @@ def test_options_validation_messages():
         SourceOptions.parse({"touchFraction": "0.95"})
 
 
+def test_bulk_reserve_and_stats_parsing(server, conn_factory):
+    """The source's batched protocol paths: reserve_many, stats_jobs (regex fast path and the
+    one-by-one fallback when a job vanished), failed_commands, over replies larger than one recv."""
+    from spark_beanstalk.source import delete_jobs, failed_commands, stats_jobs
+
+    conn = conn_factory(server)
+    bodies = [b"\r\nUSING x\r\n" + bytes([i % 256]) * (3000 + i) for i in range(300)]   # marker-like bytes too
+    ids = put_jobs(conn, "bulk", bodies, ttr=7, pri=42)
+    worker = conn_factory(server)
+    worker.watch_only(["bulk"])
+    got, got_bodies, others = worker.reserve_many(310)
+    assert got == ids and got_bodies == bodies and others == [b"TIMED_OUT"] * 10
+
+    st = stats_jobs(worker, got)
+    assert st.ids == ids and not st.missing
+    assert set(st.tubes) == {"bulk"} and set(st.pris) == {42} and set(st.ttrs) == {7}
+    assert set(st.reserves) == {1} and set(st.states) == {"reserved"}
+
+    assert delete_jobs(worker, ids[:2]) == 2
+    st = stats_jobs(worker, ids)      # two NOT_FOUND replies: the slow path, same columns
+    assert st.missing == ids[:2] and st.ids == ids[2:] and set(st.ttrs) == {7} and set(st.states) == {"reserved"}
+
+    assert failed_commands(worker, [b"touch %d\r\n" % j for j in ids], b"TOUCHED") == [0, 1]
+    assert delete_jobs(worker, ids) == len(ids) - 2
+    assert worker.call("list-tube-used").status == b"USING"    # the connection is still in step
+
 def test_pyspark_discovers_default_source():
     """pyspark auto-registers DefaultSource of top-level pyspark_* modules (lookup_data_sources.py)."""
     code = ("import pkgutil, importlib;"

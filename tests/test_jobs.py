@@ -345,7 +345,6 @@ def test_chained_workers_hand_off(spark, broker, tmp_path):
 # --- the README's command, as a user runs it ---------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_demo_command(tmp_path):
     """`python jobs/demo.py`: its own broker and Spark, end to end (about a minute and a half)."""

@@ -153,10 +153,10 @@ def test_pyspark_discovers_default_source():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True,
                          timeout=60)
-    if out.stdout.strip() != "beanstalk":
-        pytest.xfail("pyspark_beanstalk is not visible to pkgutil.iter_modules from an arbitrary directory: "
-                     "setuptools' strict editable install hides it. Install with `pip install .` or "
-                     "`pip install -e . --config-settings editable_mode=compat`. " + out.stderr[-300:])
+    assert out.stdout.strip() == "beanstalk", (
+        "pyspark_beanstalk is not visible to pkgutil.iter_modules from an arbitrary directory: "
+        "setuptools' strict editable install hides it. Install with `pip install .` or "
+        "`pip install -e . --config-settings editable_mode=compat`. " + out.stderr[-300:])
 
 
 # --- end-to-end ------------------------------------------------------------------------------

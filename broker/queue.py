@@ -209,14 +209,20 @@ class Tube:
         return _live_top(self.delayed)
 
 
-def _live_top(heap: list[tuple]) -> Job | None:
-    """The first entry of a lazily-deleted job heap that is still the job's current entry."""
+def _live_entry(heap: list[tuple]) -> tuple | None:
+    """The first entry of a lazily-deleted job heap that is still its job's current entry
+    (stale ones above it are dropped)."""
     while heap:
         entry = heap[0]
         if entry[2].entry is entry:
-            return entry[2]
+            return entry
         heapq.heappop(heap)
     return None
+
+
+def _live_top(heap: list[tuple]) -> Job | None:
+    entry = _live_entry(heap)
+    return entry[2] if entry is not None else None
 
 
 def _pruned(heap: list[tuple], live: int) -> list[tuple]:
@@ -341,14 +347,10 @@ class Queue:
 
     def _unref(self, tube: Tube) -> None:
         tube.refs -= 1
-        if tube.refs <= 0:
-            self._drop_tube(tube)
-
-    def _drop_tube(self, tube: Tube) -> None:
-        """The last job, user and watcher of a tube are gone: it disappears, as in beanstalkd."""
-        del self.tube_by_name[tube.name]
-        self.tubes.remove(tube)
-        self.waited_tubes.pop(tube, None)
+        if tube.refs <= 0:  # the last job, user and watcher are gone: so is the tube, as in beanstalkd
+            del self.tube_by_name[tube.name]
+            self.tubes.remove(tube)
+            self.waited_tubes.pop(tube, None)
 
     # -- clients -----------------------------------------------------------------
     def connect(self, deliver: Callable[[bytes], None], peer: str = "") -> Client:
@@ -432,8 +434,7 @@ class Queue:
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
             self.urgent_ct -= 1
-        if len(tube.ready) > 2 * tube.ready_count + 64:
-            tube.ready = _pruned(tube.ready, tube.ready_count)
+        tube.ready = _pruned(tube.ready, tube.ready_count)
 
     def _remove_delayed(self, job: Job) -> None:
         job.entry = None
@@ -691,11 +692,7 @@ class Queue:
                     if tube.unpause_at > now:
                         continue
                     tube.pause = 0
-                heap = tube.ready
-                entry = heap[0]
-                while entry[2].entry is not entry:  # drop stale entries
-                    heapq.heappop(heap)
-                    entry = heap[0]
+                entry = _live_entry(tube.ready)
                 if best is None or entry < best:  # by (pri, id): ids are unique
                     best = entry
         if best is None:
@@ -711,7 +708,7 @@ class Queue:
         heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
         self._remove_ready(job)
         self._reserve(client, job, now)
-        return b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(job.body), job.body)
+        return job_reply(b"RESERVED", job)
 
     def reserve_job(self, client: Client, job_id: int) -> bytes:
         job = self.jobs.get(job_id)
@@ -753,9 +750,7 @@ class Queue:
         self.held_bytes -= len(job.body)
         if self.listening:
             self.listener.job_deleted(job)
-        tube.refs -= 1
-        if tube.refs <= 0:
-            self._drop_tube(tube)
+        self._unref(tube)
         return p.DELETED
 
     def release(self, client: Client, job_id: int, pri: int, delay: int) -> bytes:

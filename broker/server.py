@@ -80,7 +80,7 @@ class BrokerConnection(asyncio.Protocol):
 
     __slots__ = ("server", "queue", "transport", "client", "decoder", "out", "busy", "eof",
                  "closing", "paused", "write_paused", "refused", "authed", "auth_failures",
-                 "activity", "idle_sweeps", "peer", "stall_timer", "sync_point")
+                 "activity", "idle_sweeps", "peer", "stall_timer")
 
     def __init__(self, server: "BrokerServer") -> None:
         self.server = server
@@ -100,8 +100,6 @@ class BrokerConnection(asyncio.Protocol):
         self.peer = "?"
         self.stall_timer: asyncio.TimerHandle | None = None
         self.decoder = p.Decoder(server.config.max_job_size, auth_enabled=not self.authed)
-        # Called before acknowledging replies go out (binlog fsync with -f 0); None = nothing to do.
-        self.sync_point = server.sync_point
 
     # -- asyncio callbacks ------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -143,11 +141,12 @@ class BrokerConnection(asyncio.Protocol):
                     reply = self._execute(cmd)
                 finally:
                     self.busy = False
-                if self.out:  # a reply a reserve got through deliver()
-                    if reply is not None and reply is not _QUIT:
-                        self.out.append(reply)
+                if reply is None or reply is _QUIT:
+                    self._flush()  # what a reserve got through deliver(), if anything
+                elif self.out:
+                    self.out.append(reply)
                     self._flush()
-                elif reply is not None and reply is not _QUIT:
+                else:
                     self._write(reply)
                 if self.queue.timers.earliest_pushed < self.server.timer_when:
                     self.server.reschedule()
@@ -302,8 +301,9 @@ class BrokerConnection(asyncio.Protocol):
         if self.server.group_commit:
             self.server.hold_for_commit(self, data)
             return
-        if self.sync_point is not None:
-            self.sync_point()
+        sync = self.server.sync_point
+        if sync is not None:
+            sync()
         self._send(data)
 
     def _send(self, data: bytes) -> None:

@@ -24,12 +24,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class ServerExitedEarly(RuntimeError):
+    """The server process ended before it accepted a connection (a port taken, a bad flag)."""
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
     """Poll until a TCP connect succeeds; fail early if the process died."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server process exited with code {proc.returncode} before listening on {host}:{port}")
+            raise ServerExitedEarly(f"server process exited with code {proc.returncode} before listening on {host}:{port}")
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
@@ -50,6 +54,7 @@ class ServerProcess:
     env: dict[str, str] | None = None
     stderr_path: str | None = None
     _stderr_file: object = field(default=None, repr=False)
+    port_chosen: bool = False  # the port came from free_port(): start() may move to another
 
     @property
     def address(self) -> str:
@@ -61,6 +66,24 @@ class ServerProcess:
         return self.proc.pid
 
     def start(self, timeout: float = 15.0) -> "ServerProcess":
+        """Start and wait until it accepts connections.
+
+        A port from free_port() can be taken by someone else before the server binds it
+        (an outgoing connection's ephemeral port, another test): when we chose the port
+        and the server exits before listening, it is started again on a new free port.
+        """
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except ServerExitedEarly:
+                if not self.port_chosen or attempt == 2:
+                    raise
+                new = free_port(self.host)
+                self.argv[self.argv.index("-p") + 1] = str(new)
+                self.port = new
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "ServerProcess":
         stderr = subprocess.DEVNULL
         if self.stderr_path:
             self._stderr_file = open(self.stderr_path, "ab")
@@ -112,9 +135,10 @@ class ServerProcess:
 
 def broker_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (), **kw) -> ServerProcess:
     """Our broker (`python -m broker`) as a child process; call .start()."""
+    chosen = port is None
     port = port or free_port(host)
     argv = [sys.executable, "-m", "broker", "-l", host, "-p", str(port), *extra_args]
-    return ServerProcess(argv=argv, host=host, port=port, **kw)
+    return ServerProcess(argv=argv, host=host, port=port, port_chosen=chosen, **kw)
 
 
 def beanstalkd_binary() -> str | None:
@@ -127,9 +151,10 @@ def beanstalkd_process(port: int | None = None, host: str = "127.0.0.1", extra_a
     binary = beanstalkd_binary()
     if binary is None:
         raise RuntimeError("beanstalkd is not installed (apt-get install -y beanstalkd)")
+    chosen = port is None
     port = port or free_port(host)
     argv = [binary, "-l", host, "-p", str(port), *extra_args]
-    return ServerProcess(argv=argv, host=host, port=port, **kw)
+    return ServerProcess(argv=argv, host=host, port=port, port_chosen=chosen, **kw)
 
 
 def start_server(kind: str, **kw) -> ServerProcess:

@@ -161,3 +161,33 @@ def test_verbose_logs_connections():
     events = {line.get("event"): line for line in lines}
     assert events["listening"]["addresses"] == f"127.0.0.1:{port}"
     assert events["accept"]["peer"].startswith("127.0.0.1:") and events["accept"]["level"] == "info"
+
+
+@pytest.mark.parametrize("kind", ["ours", "beanstalkd"])
+def test_server_moves_to_a_new_port_when_its_free_port_was_taken(kind):
+    """free_port() races with everyone else on the machine: if the chosen port is taken before
+    the server binds it, start() starts the server again on another free port."""
+    from spark_beanstalk.embedded import beanstalkd_process
+
+    proc = (broker_process if kind == "ours" else beanstalkd_process)()
+    taken = proc.port
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", taken))  # bound, not listening: connects are refused, binds fail
+        proc.start()
+        try:
+            assert proc.port != taken and str(proc.port) in proc.argv and str(taken) not in proc.argv
+            with Connection(proc.host, proc.port) as conn:
+                assert conn.call("list-tube-used").status == b"USING"
+        finally:
+            proc.stop()
+
+
+def test_server_with_a_given_port_does_not_move():
+    """A port the caller chose is kept: the start fails instead of silently moving."""
+    from spark_beanstalk.embedded import ServerExitedEarly
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        port = blocker.getsockname()[1]
+        with pytest.raises(ServerExitedEarly):
+            broker_process(port=port).start()

@@ -70,7 +70,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     tls: security.TlsConfig | None = None
     auth_token: bytes | None = None
-    metrics: str | None = None  # "addr:port" of the Prometheus endpoint
+    metrics: str | None = None  # "addr:port" of the HTTP listener (served by broker/http.py, not here)
     extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
     binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
 
@@ -398,7 +398,6 @@ class BrokerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        self.metrics = None
         soft_fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         # Connections beyond this are refused: the rest of the descriptors stay for us.
         reserve = min(_RESERVED_DESCRIPTORS, max(8, soft_fd_limit // 4))
@@ -434,11 +433,6 @@ class BrokerServer:
                                                          backlog=1024, ssl=tls_ctx, **handshake))
         if config.limits.idle_timeout > 0:
             self._schedule_idle_sweep()
-        if config.metrics:
-            from broker.metrics import MetricsServer
-
-            self.metrics = MetricsServer(self)
-            await self.metrics.start(config.metrics)
 
     def _loop_error(self, loop, context: dict) -> None:
         """Errors the loop could not hand to a connection (accept failures such as EMFILE)."""
@@ -549,8 +543,6 @@ class BrokerServer:
             self._timer.cancel()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        if self.metrics is not None:
-            await self.metrics.close()
         if self.listener is not None:
             self.listener.close()
 

@@ -9,16 +9,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import tomllib
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
+import tomllib
 
-from broker import http, logs
+from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.security import TlsConfig, load_token
-from broker.server import BrokerConnection, BrokerServer, ServerConfig, install_uvloop, run_server
+from broker.server import (
+    BrokerConnection,
+    BrokerServer,
+    ServerConfig,
+    install_uvloop,
+    run_server,
+)
+
+if TYPE_CHECKING:
+    from broker.http import HttpListener
 
 # TOML key -> click parameter name (both spellings accepted in the file).
 _CONFIG_KEYS = {
@@ -140,6 +150,8 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
             raise click.UsageError(f"--auth-token-file: {exc}") from None
     http_sock = None
     if metrics is not None:
+        from broker import http  # aiohttp is imported only by brokers that serve HTTP
+
         try:
             http_sock = http.bind(metrics)
         except http.HttpAddressError as exc:
@@ -163,13 +175,15 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
 async def _serve(config: ServerConfig, listener, ready: Callable[[BrokerServer], None],
                  http_sock: socket.socket | None, dashboard: bool) -> None:
     """run_server, plus the HTTP listener once the broker is up (stopped after it)."""
-    listeners: list[http.HttpListener] = []
+    listeners: list[HttpListener] = []
 
     def on_ready(server: BrokerServer) -> None:
         ready(server)
         if http_sock is not None:
+            from broker.http import HttpListener
+
             local = (lambda: BrokerConnection(server)) if dashboard else None
-            listeners.append(http.HttpListener(server, http_sock, local))
+            listeners.append(HttpListener(server, http_sock, local))
             listeners[0].start_soon()
 
     try:

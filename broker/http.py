@@ -22,7 +22,8 @@ import ipaddress
 import logging
 import os
 import socket
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 

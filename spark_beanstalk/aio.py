@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from spark_beanstalk.client import (BeanstalkError, ConnectionLost, Reply, encode, encode_put, parse_yaml)
+from spark_beanstalk.client import (
+    BeanstalkError,
+    ConnectionLost,
+    Reply,
+    encode,
+    encode_put,
+    parse_yaml,
+)
 
 _WITH_BODY = frozenset({b"RESERVED", b"FOUND", b"OK"})
 Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
@@ -41,7 +49,7 @@ class AsyncConnection:
 
     @classmethod
     async def open(cls, opener: Opener, address: str, token: str | bytes | None = None,
-                   timeout: float = 10.0) -> "AsyncConnection":
+                   timeout: float = 10.0) -> AsyncConnection:
         """Connect with ``opener`` and, given a token, send our broker's ``auth`` first."""
         try:
             reader, writer = await asyncio.wait_for(opener(), timeout)

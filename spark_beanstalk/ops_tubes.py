@@ -10,14 +10,23 @@ import asyncio
 import signal
 import ssl
 import sys
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import click
 
 from spark_beanstalk import tubeops
 from spark_beanstalk.aio import AsyncConnection, open_tcp
 from spark_beanstalk.client import BeanstalkError, ConnectionLost, parse_hosts
-from spark_beanstalk.ops import HOST_ENV, OpsError, Target, Unreachable, _read_token, common_options, emit_json
+from spark_beanstalk.ops import (
+    HOST_ENV,
+    OpsError,
+    Target,
+    Unreachable,
+    _read_token,
+    common_options,
+    emit_json,
+)
 
 PROGRESS_FROM = 200  # jobs: below this no progress bar is worth drawing
 
@@ -92,7 +101,12 @@ class _Bar:
         self.task: Any = None
         if total >= PROGRESS_FROM and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TimeRemainingColumn,
+            )
 
             self.progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                                      TimeRemainingColumn(), console=Console(stderr=True), transient=True)

@@ -13,8 +13,8 @@ between two jobs, so an interrupt loses and duplicates nothing:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from spark_beanstalk.aio import AsyncConnection
 

@@ -55,7 +55,7 @@ def test_healthz_and_readyz_then_draining(http_broker):
     assert get(base + "/healthz") == (200, "ok\n")
     assert get(base + "/readyz") == (200, "ready\n")
     proc.signal(signal.SIGUSR1)
-    status, text = wait_until(lambda: (r := get(base + "/readyz"))[0] == 503 and r, 10, what="readyz 503")
+    _, text = wait_until(lambda: (r := get(base + "/readyz"))[0] == 503 and r, 10, what="readyz 503")
     assert "draining" in text
     assert get(base + "/healthz")[0] == 200  # alive, just not taking new work
     with Connection(proc.host, proc.port) as conn:
@@ -78,7 +78,7 @@ def _set_immutable(path: Path, on: bool) -> bool:
 
 
 def test_readyz_when_binlog_directory_is_not_writable(http_broker):
-    proc, base, binlog = http_broker
+    _, base, binlog = http_broker
     assert get(base + "/readyz")[0] == 200
     if _set_immutable(binlog, True):
         try:
@@ -105,7 +105,7 @@ def test_http_port_taken_is_a_clear_error():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), "--http", f"127.0.0.1:{port}"],
-                                capture_output=True, text=True, timeout=30, cwd=ROOT)
+                                check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr

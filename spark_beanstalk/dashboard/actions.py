@@ -6,8 +6,9 @@ ActionError with a sentence too, never a traceback.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from spark_beanstalk import tubeops
 from spark_beanstalk.aio import AsyncConnection, PeekedJob

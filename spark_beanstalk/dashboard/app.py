@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import jinja2
 from aiohttp import web
@@ -97,7 +98,7 @@ class Dashboard:
                 return self.render(request, "message.html", status=exc.status, ok=False,
                                    message=f"{exc.status} {exc.reason}")
             raise
-        except Exception:  # noqa: BLE001 - last resort: log it, show a sentence
+        except Exception:
             log.exception("dashboard request %s failed", request.path)
             return self.render(request, "message.html", status=500, ok=False,
                                message="internal error (details are in the dashboard's log)")

@@ -6,10 +6,12 @@ sampled, so any number of open browser tabs cost the servers nothing extra.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from spark_beanstalk.aio import AsyncConnection
 from spark_beanstalk.client import BeanstalkError
@@ -70,8 +72,8 @@ class ServerView:
             row: dict[str, Any] = {"server": self.index, "name": name}
             row.update({short: st.get(key, 0) for key, short in TUBE_KEYS})
             row["paused"] = int(st.get("pause-time-left", 0) or 0)
-            row["put_rate"] = self._rate(lambda s, n=name: _tube_int(s, n, "total-jobs"))
-            row["delete_rate"] = self._rate(lambda s, n=name: _tube_int(s, n, "cmd-delete"))
+            row["put_rate"] = self._rate(functools.partial(_tube_int, tube=name, key="total-jobs"))
+            row["delete_rate"] = self._rate(functools.partial(_tube_int, tube=name, key="cmd-delete"))
             rows.append(row)
         return rows
 

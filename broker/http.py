@@ -171,7 +171,9 @@ class HttpListener:
 
     def _add_dashboard(self) -> None:
         from spark_beanstalk.aio import AsyncConnection
-        from spark_beanstalk.dashboard import Endpoint, Guard, create_app
+        from spark_beanstalk.dashboard.app import create_app
+        from spark_beanstalk.dashboard.guard import Guard
+        from spark_beanstalk.dashboard.sampler import Endpoint
 
         token = self.server.config.auth_token
         listener = self.server.listener

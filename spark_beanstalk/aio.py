@@ -61,7 +61,7 @@ class AsyncConnection:
         if token is not None:
             text = token.decode() if isinstance(token, bytes) else token
             reply = await conn.call(f"auth {text}")
-            if reply.status != b"OK":
+            if reply.status != b"OK" and not (auth_optional and reply.status == b"UNKNOWN_COMMAND"):
                 await conn.close()
                 raise BeanstalkError(reply.status.decode("latin-1"), "auth", f"{address} refused the token")
         return conn
@@ -173,8 +173,8 @@ class AsyncConnection:
 
 
 async def open_tcp(host: str, port: int, token: str | bytes | None = None, tls: ssl.SSLContext | None = None,
-                   timeout: float = 10.0) -> AsyncConnection:
+                   timeout: float = 10.0, auth_optional: bool = False) -> AsyncConnection:
     async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port, ssl=tls, limit=1 << 22)
 
-    return await AsyncConnection.open(opener, f"{host}:{port}", token, timeout)
+    return await AsyncConnection.open(opener, f"{host}:{port}", token, timeout, auth_optional)

@@ -1,6 +1,5 @@
-"""The web dashboard: overview of servers and tubes, tube pages with actions (see app.py)."""
-from spark_beanstalk.dashboard.app import create_app
-from spark_beanstalk.dashboard.guard import Guard
-from spark_beanstalk.dashboard.sampler import Endpoint
+"""The web dashboard: overview of servers and tubes, tube pages with actions (see app.py).
 
-__all__ = ["Endpoint", "Guard", "create_app"]
+Import from the submodules; this package's __init__ stays empty of imports so that
+`spark-beanstalk`'s other verbs do not load aiohttp and jinja2.
+"""

@@ -4,16 +4,18 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import signal
+from typing import TYPE_CHECKING
 
 import click
-from aiohttp import web
 
 from spark_beanstalk.aio import AsyncConnection, open_tcp
 from spark_beanstalk.client import parse_hosts
-from spark_beanstalk.dashboard.app import create_app
-from spark_beanstalk.dashboard.guard import Guard
-from spark_beanstalk.dashboard.sampler import Endpoint
 from spark_beanstalk.ops import DEFAULT_HOST, HOST_ENV, TOKEN_ENV, _read_token
+
+if TYPE_CHECKING:  # aiohttp and jinja2 load only when the dashboard runs, not for every CLI verb
+    from aiohttp import web
+
+    from spark_beanstalk.dashboard.sampler import Endpoint
 
 
 def is_loopback(host: str) -> bool:
@@ -26,8 +28,10 @@ def is_loopback(host: str) -> bool:
 
 
 def tcp_endpoint(host: str, port: int, token: str | None) -> Endpoint:
+    from spark_beanstalk.dashboard.sampler import Endpoint
+
     async def connect() -> AsyncConnection:
-        return await open_tcp(host, port, token)
+        return await open_tcp(host, port, token, auth_optional=True)
 
     return Endpoint(f"{host}:{port}", connect)
 
@@ -40,6 +44,8 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 
 async def serve(app: web.Application, host: str, port: int) -> None:
+    from aiohttp import web
+
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     stop = asyncio.Event()
@@ -61,7 +67,8 @@ async def serve(app: web.Application, host: str, port: int) -> None:
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, metavar="ADDR:PORT",
               help="Where the dashboard listens (loopback by default).")
 @click.option("--token-file", type=click.Path(dir_okay=False), envvar=TOKEN_ENV,
-              help="Token for the servers' `auth`; the page then needs it too before any action.")
+              help="Token for the servers' `auth` (servers without auth, such as stock beanstalkd, are used "
+                   "without it); the page then needs it too before any action.")
 @click.option("--read-only", is_flag=True, help="Show, never act: no action forms, every action refused.")
 def dashboard_command(hosts: str, listen: str, token_file: str | None, read_only: bool) -> None:
     """Serve a live web dashboard of HOSTS: servers, tubes, charts, and actions on jobs."""
@@ -74,6 +81,9 @@ def dashboard_command(hosts: str, listen: str, token_file: str | None, read_only
     if not is_loopback(host) and token is None and not read_only:
         raise click.UsageError(f"--listen {listen} is reachable from other machines: "
                                "give --token-file (actions then need the token) or --read-only")
+    from spark_beanstalk.dashboard.app import create_app
+    from spark_beanstalk.dashboard.guard import Guard
+
     guard = Guard(action_token=token.encode() if token else None, read_only=read_only)
     app = create_app([tcp_endpoint(h, p, token) for h, p in addresses], guard)
     try:

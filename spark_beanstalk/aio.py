@@ -49,8 +49,12 @@ class AsyncConnection:
 
     @classmethod
     async def open(cls, opener: Opener, address: str, token: str | bytes | None = None,
-                   timeout: float = 10.0) -> AsyncConnection:
-        """Connect with ``opener`` and, given a token, send our broker's ``auth`` first."""
+                   timeout: float = 10.0, auth_optional: bool = False) -> AsyncConnection:
+        """Connect with ``opener`` and, given a token, send our broker's ``auth`` first.
+
+        ``auth_optional``: a server that does not know ``auth`` (stock beanstalkd answers
+        UNKNOWN_COMMAND) is used without it, for tools that watch mixed servers.
+        """
         try:
             reader, writer = await asyncio.wait_for(opener(), timeout)
         except ssl.SSLError as exc:

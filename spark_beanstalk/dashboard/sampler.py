@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,7 @@ from typing import Any
 from spark_beanstalk.aio import AsyncConnection
 from spark_beanstalk.client import BeanstalkError
 
+log = logging.getLogger("spark_beanstalk.dashboard")
 HISTORY_SECONDS = 15 * 60
 MAX_CHARTED_TUBES = 24
 TUBE_KEYS = (("current-jobs-ready", "ready"), ("current-jobs-reserved", "reserved"),
@@ -134,6 +136,12 @@ class Sampler:
                     await self.sample_once(view, conn)
                 except (BeanstalkError, OSError) as exc:
                     view.error = f"unreachable: {exc}"
+                    if conn is not None:
+                        await conn.close()
+                    conn = None
+                except Exception as exc:
+                    log.exception("sampling %s failed", view.endpoint.name)
+                    view.error = f"sampling failed: {exc!r}"
                     if conn is not None:
                         await conn.close()
                     conn = None

@@ -373,12 +373,12 @@ def test_unreachable_server_exits_2_with_one_line(verb):
 def test_unreachable_server_as_a_real_process():
     dead = f"127.0.0.1:{free_port()}"
     proc = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "tubes", "--json"], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "SPARK_BEANSTALK_HOST": dead})
+                          check=False, text=True, timeout=60, env={**os.environ, "SPARK_BEANSTALK_HOST": dead})
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"Error: cannot connect to a beanstalkd server at {dead}: Connection refused "
-        f"(is it running? set --host or $SPARK_BEANSTALK_HOST)"
+        (f"Error: cannot connect to a beanstalkd server at {dead}: Connection refused "
+         f"(is it running? set --host or $SPARK_BEANSTALK_HOST)")
     ]
 
 

@@ -163,6 +163,8 @@ class Dashboard:
         finally:
             await conn.close()
         log.info("dashboard action %s on %s/%s: %s", form.get("action"), view.endpoint.name, tube, message)
+        if not ok:  # shown at once: the tube page may not exist (unknown tube)
+            return self.render(request, "message.html", status=400, ok=False, message=message)
         key = secrets.token_urlsafe(8)
         self.flashes[key] = (ok, message)
         while len(self.flashes) > MAX_FLASHES:

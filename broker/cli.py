@@ -18,6 +18,7 @@ import tomllib
 from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
+from broker.queue import QueueListener
 from broker.security import TlsConfig, load_token
 from broker.server import (
     BrokerConnection,
@@ -45,7 +46,7 @@ _CONFIG_KEYS = {
 }
 
 
-def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
+def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
     """Eager callback: the file's values become defaults, so explicit flags override them."""
     if not path:
         return path
@@ -172,7 +173,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
         raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
 
 
-async def _serve(config: ServerConfig, listener, ready: Callable[[BrokerServer], None],
+async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],
                  http_sock: socket.socket | None, dashboard: bool) -> None:
     """run_server, plus the HTTP listener once the broker is up (stopped after it)."""
     listeners: list[HttpListener] = []
@@ -193,7 +194,7 @@ async def _serve(config: ServerConfig, listener, ready: Callable[[BrokerServer],
             await item.close()
 
 
-def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int):
+def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int) -> QueueListener:
     try:
         from broker.binlog import BinlogError, open_binlog
     except ImportError:

@@ -105,11 +105,13 @@ class Dashboard:
 
     # -- pages ----------------------------------------------------------------------
     async def overview(self, request: web.Request) -> web.StreamResponse:
+        self.sampler.viewed()
         views = self.sampler.views
         return self.render(request, "overview.html", servers=[v.summary() for v in views],
                            tubes=[row for v in views for row in v.tube_rows()])
 
     async def api_overview(self, request: web.Request) -> web.StreamResponse:
+        self.sampler.viewed()
         views = self.sampler.views
         body: dict[str, Any] = {"servers": [v.summary() for v in views],
                                 "tubes": [row for v in views for row in v.tube_rows()],

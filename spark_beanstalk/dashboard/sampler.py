@@ -20,6 +20,7 @@ from spark_beanstalk.client import BeanstalkError
 log = logging.getLogger("spark_beanstalk.dashboard")
 HISTORY_SECONDS = 15 * 60
 MAX_CHARTED_TUBES = 24
+IDLE_AFTER = 60.0  # seconds without a page view before sampling slows down
 TUBE_KEYS = (("current-jobs-ready", "ready"), ("current-jobs-reserved", "reserved"),
              ("current-jobs-delayed", "delayed"), ("current-jobs-buried", "buried"),
              ("current-jobs-urgent", "urgent"), ("current-waiting", "waiting"))
@@ -107,11 +108,17 @@ def _tube_int(sample: Sample, tube: str, key: str) -> int:
 class Sampler:
     """Runs one sampling task per server until stopped."""
 
-    def __init__(self, endpoints: list[Endpoint], interval: float = 1.0) -> None:
+    def __init__(self, endpoints: list[Endpoint], interval: float = 1.0, idle_interval: float = 5.0) -> None:
         self.views = [ServerView(i, e) for i, e in enumerate(endpoints)]
         self.interval = interval
+        # Nobody looked for a minute: sample less often (the broker serves its own
+        # dashboard, and every sample is a stats-tube per tube).
+        self.idle_interval = idle_interval
+        self.last_viewed = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
-        self.updated = asyncio.Event()
+
+    def viewed(self) -> None:
+        self.last_viewed = time.monotonic()
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run(view), name=f"sample {view.endpoint.name}")
@@ -145,8 +152,8 @@ class Sampler:
                     if conn is not None:
                         await conn.close()
                     conn = None
-                self.updated.set()
-                await asyncio.sleep(self.interval)
+                idle = time.monotonic() - self.last_viewed > IDLE_AFTER
+                await asyncio.sleep(self.idle_interval if idle else self.interval)
         finally:
             if conn is not None:
                 await conn.close()

@@ -3,6 +3,7 @@
 "use strict";
 (function () {
   const WINDOW = 15 * 60, charts = {};
+  const bytes = (n) => n == null ? "" : n < 1024 ? n + " B" : n < 1048576 ? (n / 1024).toFixed(1) + " KiB" : (n / 1048576).toFixed(1) + " MiB";
   const cell = (text, cls) => { const td = document.createElement("td"); td.textContent = text == null ? "" : String(text); if (cls) td.className = cls; return td; };
   function serverRows(servers) {
     const body = document.querySelector("#servers tbody"); body.replaceChildren();
@@ -10,7 +11,7 @@
       const tr = document.createElement("tr"); tr.dataset.server = s.id;
       tr.append(cell(s.name), cell(s.up ? "up" : s.error, s.up ? "up" : "down"), cell(s.version), cell(s.uptime), cell(s.connections));
       for (const k of ["ready", "reserved", "delayed", "buried"]) tr.append(cell(s.jobs[k]));
-      tr.append(cell(s.cmd_rate), cell(s.binlog_bytes)); body.append(tr);
+      tr.append(cell(s.cmd_rate), cell(bytes(s.binlog_bytes))); body.append(tr);
     }
   }
   function tubeRows(tubes, servers) {

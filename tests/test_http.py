@@ -134,3 +134,13 @@ def test_grafana_panels_name_exported_metrics(http_broker):
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("jobs", "command", "connections", "refusals", "binlog size", "fsync latency"):
         assert topic in titles
+
+
+def test_no_dashboard_serves_only_the_probes_and_metrics():
+    port = free_port()
+    with broker_process(extra_args=["--metrics", f"127.0.0.1:{port}", "--no-dashboard"]) as proc:
+        wait_for_port("127.0.0.1", port, 10, proc.proc)
+        base = f"http://127.0.0.1:{port}"
+        assert get(base + "/")[0] == 404
+        assert get(base + "/readyz") == (200, "ready\n")  # no binlog: nothing to probe
+        assert "beanstalk_connections" in get(base + "/metrics")[1]

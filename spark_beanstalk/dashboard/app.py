@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from spark_beanstalk.aio import AsyncConnection
 from spark_beanstalk.client import BeanstalkError
 from spark_beanstalk.dashboard import actions
 from spark_beanstalk.dashboard.guard import Guard, Refused
@@ -141,7 +142,7 @@ class Dashboard:
         return self.render(request, "tube.html", server=view.summary(), tube=tube, stats=details["stats"],
                            jobs=details["jobs"], flash=flash)
 
-    async def _connect(self, view: ServerView) -> Any:
+    async def _connect(self, view: ServerView) -> AsyncConnection:
         try:
             return await view.endpoint.connect()
         except BeanstalkError as exc:

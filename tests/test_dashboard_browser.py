@@ -11,7 +11,6 @@ $DASHBOARD_SCREENSHOTS (default: the test's tmp dir). One browser for the module
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -225,5 +224,3 @@ def test_standalone_dashboard_on_beanstalkd(page: Any, shots: Path, token_file: 
             dash.terminate()
             dash.wait(10)
         assert b"Traceback" not in (dash.stderr.read() if dash.stderr else b"")
-    if os.environ.get("DASHBOARD_SCREENSHOTS_TO_DOCS"):
-        shutil.copy(shots / "broker-overview.png", Path(__file__).resolve().parent.parent / "docs")

@@ -587,3 +587,34 @@ def test_interrupted_move_loses_and_duplicates_nothing(server, conn, conn_factor
     while (job := reader.reserve(0)) is not None:
         seen.append(job.body)
     assert len(seen) == total and set(seen) == bodies
+
+
+def test_clear_shows_a_progress_bar_on_a_terminal(broker, conn_factory):
+    """On a terminal (a pty here) a large clear draws rich's bar on stderr; the summary stays on stdout."""
+    conn = conn_factory(broker)
+    conn.use("lots")
+    for _ in conn.pipeline([b"put 1 0 60 1\r\nx\r\n"] * 500):
+        pass
+    primary, secondary = os.openpty()
+    try:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "clear", "lots", "--yes",
+                                   "-H", broker.address], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=secondary, text=True, check=False, timeout=60,
+                                  env={**os.environ, "PYTHONPATH": os.getcwd(), "COLUMNS": "100"})
+        finally:
+            os.close(secondary)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0
+    assert "deleted 500 job(s) from tube 'lots' (ready 500)" in proc.stdout
+    assert b"clearing lots" in drawn and b"500" in drawn

@@ -134,6 +134,11 @@ class HttpListener:
     def start_soon(self) -> None:
         """From the broker's (synchronous) on_ready hook: start serving in its loop."""
         self._task = asyncio.get_running_loop().create_task(self.start(), name="http listener")
+        self._task.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the HTTP listener on %s did not start: %r", self.address(), task.exception())
 
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
@@ -141,8 +146,8 @@ class HttpListener:
         await web.SockSite(self._runner, self.sock).start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            await self._task
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         self.sock.close()

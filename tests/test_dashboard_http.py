@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 from click.testing import CliRunner
 
 from spark_beanstalk.cli import main
+from spark_beanstalk.client import Connection
 from spark_beanstalk.dashboard.actions import body_view
 from spark_beanstalk.dashboard.app import create_app
 from spark_beanstalk.dashboard.command import tcp_endpoint
@@ -96,3 +97,33 @@ def test_body_views():
 def test_standalone_refuses_open_listener_without_token():
     result = CliRunner().invoke(main, ["dashboard", "--listen", "0.0.0.0:1"])
     assert result.exit_code == 2 and "--token-file" in result.output and "--read-only" in result.output
+
+
+def test_two_servers_and_a_cross_site_post(server_factory):
+    ours, stock = server_factory("ours"), server_factory("beanstalkd")
+    app = create_app([tcp_endpoint(p.host, p.port, None) for p in (ours, stock)], Guard())
+
+    async def walk() -> None:
+        async with TestServer(app, host="127.0.0.1") as ts, \
+                ClientSession(str(ts.make_url("")), cookie_jar=CookieJar(unsafe=True)) as http:
+            for _ in range(100):
+                async with http.get("/api/overview") as resp:
+                    servers = (await resp.json())["servers"]
+                if all(s["up"] for s in servers):
+                    break
+                await asyncio.sleep(0.1)
+            assert [s["name"] for s in servers] == [ours.address, stock.address]
+            assert all(s["up"] and s["version"] is not None for s in servers)
+            async with http.get("/") as resp:
+                csrf = _csrf(await resp.text())
+            form = {"csrf": csrf, "s": "1", "t": "default", "action": "put", "body": "x"}
+            async with http.post("/action", data=form, headers={"Origin": "http://evil.example"}) as resp:
+                assert resp.status == 403 and "another site" in await resp.text()
+            async with http.post("/action", data=form, allow_redirects=False) as resp:
+                assert resp.status == 303  # the same form from our own page goes through
+
+    asyncio.run(walk())
+    with Connection(stock.host, stock.port) as conn:
+        assert conn.stats_tube("default")["current-jobs-ready"] == 1
+    with Connection(ours.host, ours.port) as conn:
+        assert conn.stats_tube("default")["current-jobs-ready"] == 0

@@ -21,11 +21,17 @@ import os
 import platform
 import resource
 import socket
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from broker import protocol as p
 from broker.limits import Limits, Refusals
-from broker.timers import CLIENT_TICK, DELAYED_READY, TTR_EXPIRY, TUBE_UNPAUSE, TimerHeap
+from broker.timers import (
+    CLIENT_TICK,
+    DELAYED_READY,
+    TTR_EXPIRY,
+    TUBE_UNPAUSE,
+    TimerHeap,
+)
 
 NS = 1_000_000_000
 URGENT_THRESHOLD = 1024
@@ -43,24 +49,24 @@ class StorageFull(Exception):
 class QueueListener:
     """Receives the state changes that a durable log must record. Default: do nothing."""
 
-    def job_put(self, job: "Job") -> None:
+    def job_put(self, job: Job) -> None:
         """A new job is about to be queued (may raise StorageFull to refuse it).
 
         Called before the job enters a queue: ``job.delay`` > 0 means it will be delayed
         until ``job.created + job.delay``.
         """
 
-    def job_updated(self, job: "Job") -> None:
+    def job_updated(self, job: Job) -> None:
         """A job's state, priority or delay changed (release, bury, kick, timeout)."""
 
-    def job_deleted(self, job: "Job") -> None:
+    def job_deleted(self, job: Job) -> None:
         """A job is gone for good."""
 
     def stats(self) -> dict[str, int]:
         """binlog-* stats values: oldest-index, current-index, records-migrated, records-written, max-size."""
         return {}
 
-    def recover(self, queue: "Queue") -> None:
+    def recover(self, queue: Queue) -> None:
         """At start, before serving: put every logged job back (see Queue.restore_job)."""
 
     # True when sync_point is expensive on every call (an fsync: -f 0). The server then
@@ -125,11 +131,11 @@ class SwapSet:
 def _rare_counter(index: int) -> property:
     """A job counter kept in the shared ``Job.rare`` list, created on the first non-zero value."""
 
-    def get(job: "Job") -> int:
+    def get(job: Job) -> int:
         rare = job.rare
         return rare[index] if rare is not None else 0
 
-    def set_(job: "Job", value: int) -> None:
+    def set_(job: Job, value: int) -> None:
         if job.rare is None:
             job.rare = [0, 0, 0, 0]
         job.rare[index] = value
@@ -145,14 +151,28 @@ class Job:
     only once one of them is non-zero.
     """
 
-    __slots__ = ("id", "tube", "pri", "delay", "ttr", "body", "state", "created", "deadline",
-                 "reserver", "entry", "reserves", "rare", "file")
+    __slots__ = (
+        "body",
+        "created",
+        "deadline",
+        "delay",
+        "entry",
+        "file",
+        "id",
+        "pri",
+        "rare",
+        "reserver",
+        "reserves",
+        "state",
+        "ttr",
+        "tube",
+    )
     timeouts = _rare_counter(0)
     releases = _rare_counter(1)
     buries = _rare_counter(2)
     kicks = _rare_counter(3)
 
-    def __init__(self, job_id: int, tube: "Tube", pri: int, delay: int, ttr: int, body: bytes,
+    def __init__(self, job_id: int, tube: Tube, pri: int, delay: int, ttr: int, body: bytes,
                  created: int) -> None:
         self.id = job_id
         self.tube = tube
@@ -179,9 +199,25 @@ class Job:
 class Tube:
     """A named queue: ready heap, delay heap, buried FIFO, and who uses/watches/waits on it."""
 
-    __slots__ = ("name", "ready", "ready_count", "urgent_count", "delayed", "delayed_count",
-                 "buried", "reserved_count", "total_jobs", "using", "watching", "waiting",
-                 "total_deletes", "pause_count", "pause", "unpause_at", "refs")
+    __slots__ = (
+        "buried",
+        "delayed",
+        "delayed_count",
+        "name",
+        "pause",
+        "pause_count",
+        "ready",
+        "ready_count",
+        "refs",
+        "reserved_count",
+        "total_deletes",
+        "total_jobs",
+        "unpause_at",
+        "urgent_count",
+        "using",
+        "waiting",
+        "watching",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -237,8 +273,21 @@ def _pruned(heap: list[tuple], live: int) -> list[tuple]:
 class Client:
     """One connection's protocol state. ``deliver`` receives replies produced later."""
 
-    __slots__ = ("use", "watch", "reserved", "deadlines", "waiting", "pending_timeout", "tick_at",
-                 "producer", "worker", "deliver", "closed", "pending_put_id", "peer")
+    __slots__ = (
+        "closed",
+        "deadlines",
+        "deliver",
+        "peer",
+        "pending_put_id",
+        "pending_timeout",
+        "producer",
+        "reserved",
+        "tick_at",
+        "use",
+        "waiting",
+        "watch",
+        "worker",
+    )
 
     def __init__(self, deliver: Callable[[bytes], None], peer: str = "") -> None:
         self.use: Tube
@@ -589,9 +638,6 @@ class Queue:
             client.deliver(p.TIMED_OUT)
 
     # -- commands ------------------------------------------------------------------------
-    def count(self, op: str) -> None:
-        self.op_counts[op] += 1
-
     def allocate_id(self) -> int:
         job_id = self.next_id
         self.next_id = job_id + 1
@@ -599,7 +645,6 @@ class Queue:
 
     def put_header(self, client: Client) -> None:
         """A put line was parsed but its body has not arrived: beanstalkd assigns the id now."""
-        self.op_counts["put"] += 1
         self._set_producer(client)
         client.pending_put_id = self.allocate_id()
 
@@ -609,7 +654,6 @@ class Queue:
             job_id = client.pending_put_id
             client.pending_put_id = 0
         else:
-            self.op_counts["put"] += 1
             if not client.producer:
                 self._set_producer(client)
             job_id = self.next_id
@@ -1026,8 +1070,7 @@ class Queue:
             jobs[job_id] = job
             held += len(body)
             n += 1
-            if job_id > max_id:
-                max_id = job_id
+            max_id = max(max_id, job_id)
             if state == BURIED:
                 self._bury(job)
                 job.buries -= 1  # restoring, not burying again
@@ -1076,7 +1119,7 @@ def _trunc_div(a: int, b: int) -> int:
 
 def _rusage(seconds: float) -> str:
     whole = int(seconds)
-    micros = int(round((seconds - whole) * 1_000_000))
+    micros = round((seconds - whole) * 1_000_000)
     if micros >= 1_000_000:
         whole, micros = whole + 1, micros - 1_000_000
     return f"{whole}.{micros:06d}"

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from broker import logs, security
+from broker import logs, security, stats
 from broker import protocol as p
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Client, Queue
@@ -28,19 +28,19 @@ _BY_ID: dict[str, Callable[[Queue, Client, int], bytes]] = {
     "touch": Queue.touch,
     "kick-job": Queue.kick_job,
     "peek": Queue.peek,
-    "stats-job": Queue.stats_job,
+    "stats-job": stats.stats_job,
 }
 _BY_TUBE: dict[str, Callable[[Queue, Client, str], bytes]] = {
     "use": Queue.use,
     "watch": Queue.watch,
     "ignore": Queue.ignore,
-    "stats-tube": Queue.stats_tube,
+    "stats-tube": stats.stats_tube,
 }
 _BARE: dict[str, Callable[[Queue, Client], bytes]] = {
     "peek-ready": Queue.peek_ready,
     "peek-delayed": Queue.peek_delayed,
     "peek-buried": Queue.peek_buried,
-    "stats": Queue.stats,
+    "stats": stats.stats,
     "list-tubes": Queue.list_tubes,
     "list-tube-used": Queue.list_tube_used,
     "list-tubes-watched": Queue.list_tubes_watched,
@@ -48,7 +48,7 @@ _BARE: dict[str, Callable[[Queue, Client], bytes]] = {
 # The stats counter (cmd-*) each command bumps; an Error names its own, a put whose header
 # was already counted ("put-header") is not counted again. Counted in _execute only.
 _COUNTED_AS: dict[str, str] = {name: name for name in (*_BY_ID, *_BY_TUBE, *_BARE)}
-_COUNTED_AS.update({"put": "put", "put-header": "put", "too-big": "put", "reserve": "reserve",
+_COUNTED_AS.update({"put-header": "put", "too-big": "put", "reserve": "reserve",
                     "reserve-with-timeout": "reserve-with-timeout", "release": "release", "bury": "bury",
                     "kick": "kick", "pause-tube": "pause-tube"})
 
@@ -211,7 +211,9 @@ class BrokerConnection(asyncio.Protocol):
                     self._flush()
                 else:
                     self._write(reply)
-                self.timer.check()
+                timer = self.timer
+                if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check, inlined: every command
+                    timer.reschedule()
                 return
         self.decoder.feed(data)
         if self.client.waiting:
@@ -304,23 +306,28 @@ class BrokerConnection(asyncio.Protocol):
         """Run one decoded command: its reply, or None when there is none yet (a reserve now
         waiting, a put header) or the connection is closing (quit).
 
-        The one place where commands are counted (stats cmd-*, metrics).
+        The one place where commands are counted (stats cmd-*, metrics): puts and the
+        id commands in their own branch (the hot ones), the rest through _COUNTED_AS.
         """
-        name = cmd.name
         queue = self.queue
+        if type(cmd) is p.Put:  # first: the commonest, and the one counted differently
+            _, pri, delay, ttr, body, header_seen = cmd
+            if not header_seen:  # else its put-header was counted
+                queue.op_counts["put"] += 1
+            return queue.put(self.client, pri, delay, ttr, body, header_seen)
+        if type(cmd) is p.IdArg:  # delete, touch, peek...: unpacked, as cheap as a plain tuple
+            name, job_id = cmd
+            queue.op_counts[name] += 1
+            return _BY_ID[name](queue, self.client, job_id)
+        name = cmd.name
         counted = _COUNTED_AS.get(name)
         if counted is not None:
-            if not (isinstance(cmd, p.Put) and cmd.header_seen):
-                queue.op_counts[counted] += 1
-        elif isinstance(cmd, p.Error):
+            queue.op_counts[counted] += 1
+        elif type(cmd) is p.Error:
             if cmd.counted:
                 queue.op_counts[cmd.counted] += 1
             return cmd.reply
-        if isinstance(cmd, p.Put):
-            return queue.put(self.client, cmd.pri, cmd.delay, cmd.ttr, cmd.body, cmd.header_seen)
-        if isinstance(cmd, p.IdArg):
-            return _BY_ID[name](queue, self.client, cmd.job_id)
-        if isinstance(cmd, p.Bare):
+        if type(cmd) is p.Bare:
             if name == "reserve":
                 return queue.reserve(self.client, -1)
             fn = _BARE.get(name)
@@ -374,7 +381,8 @@ class BrokerConnection(asyncio.Protocol):
         if self.closing:
             return
         self.transport.write(data)
-        if self.flow.output_over_limit():
+        flow = self.flow
+        if flow.write_paused and flow.output_over_limit():
             self.queue.refusals.refuse("slow_reader", self.peer,
                                        f"{self.transport.get_write_buffer_size()} reply bytes unread")
             self.closing = True

@@ -21,6 +21,7 @@ whose first field is the command name (interned str); see :meth:`Decoder.next_co
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
@@ -123,6 +124,9 @@ Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
 LineCache = dict[bytes, LineCommand]
 LINE_CACHE_SIZE = 4096
 TOO_BIG = Bare("too-big")
+# Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
+# NamedTuple constructor is a Python-level function, several times slower than this.
+_new = tuple.__new__
 
 # Replies (constants; formatted ones are built where used).
 BAD_FORMAT = b"BAD_FORMAT\r\n"
@@ -142,6 +146,17 @@ PAUSED = b"PAUSED\r\n"
 NOT_IGNORED = b"NOT_IGNORED\r\n"
 TIMED_OUT = b"TIMED_OUT\r\n"
 DEADLINE_SOON = b"DEADLINE_SOON\r\n"
+
+
+def yaml_list(names: Iterable[str]) -> bytes:
+    body = "---\n" + "".join(f"- {n}\n" for n in names)
+    data = body.encode()
+    return b"OK %d\r\n%s\r\n" % (len(data), data)
+
+
+def yaml_ok(text: str) -> bytes:
+    data = text.encode()
+    return b"OK %d\r\n%s\r\n" % (len(data), data)
 
 # Command words in the order beanstalkd's which_cmd() tests them (prefix match).
 _PREFIXES: tuple[tuple[bytes, str], ...] = (
@@ -286,13 +301,13 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> LineCommand
             if pri <= U32_MAX and delay <= U32_MAX and ttr <= U32_MAX and size <= U32_MAX:
                 if size > max_job_size:
                     raise TooBig(size + 2)
-                return PutLine("put", pri, delay, ttr, size)
+                return _new(PutLine, ("put", pri, delay, ttr, size))
         return None
     if name in _ID_ONLY:
         if n == 2 and parts[1].isdigit():
             value = int(parts[1])
             if value <= U64_MAX:
-                return IdArg(name, value)
+                return _new(IdArg, (name, value))
         return None
     if name in _BARE:
         return Bare(name) if n == 1 else None
@@ -304,7 +319,7 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> LineCommand
         if n == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3].isdigit():
             job_id, pri, delay = int(parts[1]), int(parts[2]), int(parts[3])
             if job_id <= U64_MAX and pri <= U32_MAX and delay <= U32_MAX:
-                return Release(name, job_id, pri, delay)
+                return _new(Release, (name, job_id, pri, delay))
         return None
     if name == "reserve-with-timeout":
         if n == 2 and parts[1].isdigit() and len(parts[1]) < 10:
@@ -489,11 +504,11 @@ class Decoder:
                 cmd = _parse_uncached(line, self.max_job_size, self.line_cache)
             except (ParseError, TooBig):
                 return None  # answered by the exact path
-        if isinstance(cmd, PutLine):
-            size = cmd.size
+        if type(cmd) is PutLine:
+            _, pri, delay, ttr, size = cmd
             if size > self.max_job_size or len(data) != end + size + 4 or data[-2] != 13 or data[-1] != 10:
                 return None
-            return Put("put", cmd.pri, cmd.delay, cmd.ttr, data[end + 2:-2], False)
+            return _new(Put, ("put", pri, delay, ttr, data[end + 2:-2], False))
         return cmd if len(data) == end + 2 else None
 
     def next_command(self) -> Command | None:
@@ -552,7 +567,7 @@ class Decoder:
             if len(buf) >= end:  # the whole body is here already: the common case
                 self.pos = end
                 body = bytes(buf[body_start:end - 2]) if buf[end - 2] == 13 and buf[end - 1] == 10 else None
-                return Put("put", cmd.pri, cmd.delay, cmd.ttr, body, False)
+                return _new(Put, ("put", cmd.pri, cmd.delay, cmd.ttr, body, False))
             self.pending = cmd
             self.need = cmd.size + 2
             self.header_sent = False

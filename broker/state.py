@@ -42,17 +42,18 @@ class LoopTimer:
     one heap; the loop only ever holds a single timer handle for its earliest entry.
     """
 
-    __slots__ = ("_handle", "clock", "queue", "when")
+    __slots__ = ("_handle", "clock", "heap", "queue", "when")
 
     def __init__(self, queue: Queue, clock: Callable[[], int]) -> None:
         self.queue = queue
+        self.heap = queue.timers
         self.clock = clock
         self.when = NEVER  # what the loop timer is set for (NEVER: not set)
         self._handle: asyncio.TimerHandle | None = None
 
     def check(self) -> None:
         """After commands ran: reschedule only when they pushed something earlier than the timer."""
-        if self.queue.timers.earliest_pushed < self.when:
+        if self.heap.earliest_pushed < self.when:
             self.reschedule()
 
     def reschedule(self) -> None:

@@ -30,7 +30,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     tls: security.TlsConfig | None = None
     auth_token: bytes | None = None
-    metrics: str | None = None  # "addr:port" of the Prometheus endpoint
+    metrics: str | None = None  # "addr:port" of the HTTP listener (served by broker/http.py, not here)
     extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
     binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
 

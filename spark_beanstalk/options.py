@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from beanstalk_rules.tokens import read_token_text
+from beanstalk_rules.tubes import tube_name_problem
 from spark_beanstalk.client import parse_hosts
 
 
@@ -88,20 +90,11 @@ def get_hosts(options: Mapping[str, str], key: str = "hosts",
         raise OptionError(f"option {key}: {exc}") from None
 
 
-TUBE_NAME_CHARS = frozenset(
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()"
-)
-
-
 def check_tube_name(name: str) -> None:
-    """beanstalkd's rule: 1-200 bytes of letters, digits and -+/;.$_(), not starting with '-'."""
-    if not 1 <= len(name.encode()) <= 200:
-        raise OptionError(f"tube name {name!r} must be 1-200 bytes long")
-    if name.startswith("-"):
-        raise OptionError(f"tube name {name!r} must not start with '-'")
-    bad = sorted(set(name) - TUBE_NAME_CHARS)
-    if bad:
-        raise OptionError(f"tube name {name!r} has characters beanstalkd does not allow: {''.join(bad)!r}")
+    """beanstalkd's tube-name rule (beanstalk_rules.tubes), failing as an OptionError."""
+    problem = tube_name_problem(name)
+    if problem is not None:
+        raise OptionError(problem)
 
 
 def get_tubes(options: Mapping[str, str], key: str = "tubes", default: str = "default") -> list[str]:
@@ -142,12 +135,9 @@ class Security:
         token_file = get_str(options, "authTokenFile", "") or None
         if token_file:
             try:
-                lines = open(token_file, encoding="utf-8").read().split()
-            except OSError as exc:
-                raise OptionError(f"option authTokenFile={token_file!r}: {exc.strerror}") from None
-            if not lines:
-                raise OptionError(f"option authTokenFile={token_file!r} holds no token")
-            token = lines[0]
+                token = read_token_text(token_file)
+            except ValueError as exc:
+                raise OptionError(f"option authTokenFile: {exc}") from None
         return cls(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file, auth_token=token)
 
     def connect_kwargs(self) -> dict:

@@ -7,8 +7,9 @@ bad value raises ``OptionError`` naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any
 
 from beanstalk_rules.tokens import read_token_text
 from beanstalk_rules.tubes import tube_name_problem
@@ -120,7 +121,7 @@ class Security:
     KEYS = ("tls", "caFile", "certFile", "keyFile", "authTokenFile")
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> "Security":
+    def parse(cls, options: Mapping[str, str]) -> Security:
         hosts_spec = str(_lower_keys(options).get("hosts") or "")
         tls = get_bool(options, "tls", "tls://" in hosts_spec)
         ca_file = get_str(options, "caFile", "") or None
@@ -140,14 +141,14 @@ class Security:
                 raise OptionError(f"option authTokenFile: {exc}") from None
         return cls(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file, auth_token=token)
 
-    def connect_kwargs(self) -> dict:
+    def connect_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for spark_beanstalk.client.Connection."""
         return {"tls": self.tls, "ca_file": self.ca_file, "certfile": self.cert_file, "keyfile": self.key_file,
                 "auth_token": self.auth_token}
 
 
 # --- Source options (spark.readStream.format("beanstalk")) -------------------------------
-# Owned by the source; see spark_beanstalk/source.py and docs/source.md (options table).
+# Read by the source; see spark_beanstalk/source.py and docs/source.md (options table).
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class SourceOptions:
     ) + Security.KEYS
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> "SourceOptions":
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
         known = {k.lower() for k in cls.KEYS}
         unknown = sorted(str(k) for k in options if str(k).lower() not in known)
         if unknown:   # named as the user spelled them
@@ -216,7 +217,7 @@ class SourceOptions:
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
-# Owned by the writers; see spark_beanstalk/writer.py.
+# Read by the writers; see spark_beanstalk/writer.py.
 
 #: Spark conf prefix: ``spark.beanstalk.<option>`` sets a writer option's default.
 WRITER_CONF_PREFIX = "spark.beanstalk."
@@ -234,7 +235,7 @@ class WriterOptions:
     Precedence: explicit options > ``spark.beanstalk.<key>`` Spark conf > defaults below.
     """
 
-    hosts: tuple = (("127.0.0.1", 11300),)
+    hosts: tuple[tuple[str, int], ...] = (("127.0.0.1", 11300),)
     tube: str = "default"
     priority: int = 2**31
     delay: int = 0
@@ -273,7 +274,7 @@ class WriterOptions:
         return out
 
     @classmethod
-    def parse(cls, options: Mapping[str, str] | None, conf: Mapping[str, str] | None = None) -> "WriterOptions":
+    def parse(cls, options: Mapping[str, str] | None, conf: Mapping[str, str] | None = None) -> WriterOptions:
         """Validate writer options; ``conf`` (a Spark conf mapping) supplies defaults."""
         explicit = {str(k): ("" if v is None else str(v)) for k, v in (options or {}).items()}
         check_known({k: v for k, v in explicit.items() if k.lower() not in {p.lower() for p in _SPARK_PASSED_KEYS}},

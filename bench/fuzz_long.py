@@ -52,6 +52,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
+from beanstalk_rules.tubes import TUBE_NAME_ALPHABET  # noqa: E402
 from spark_beanstalk.embedded import beanstalkd_process, broker_process, wait_until  # noqa: E402
 
 TOKEN = "fuzz-token-7"
@@ -75,7 +76,7 @@ LOG_ERROR_MARKERS = ("Traceback", "Exception", "exception", "ERROR", "CRITICAL",
 NUMS = [b"0", b"1", b"2", b"5", b"60", b"1024", b"65535", b"65536", b"4294967295", b"4294967296",
         b"18446744073709551615", b"18446744073709551616", b"-1", b"+1", b"999999999999999999999999999999",
         b"00000000000000000001", b" 1", b"1 ", b"0x10", b"", b"1e3", b"\t1"]
-NAME_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()"
+NAME_CHARS = TUBE_NAME_ALPHABET.encode()
 
 
 OPS = ["put", "rwt", "reserve", "reserve-job", "delete", "release", "bury", "touch", "kick", "kick-job", "peek",

@@ -18,6 +18,7 @@ CHECKED=(
   pyspark_beanstalk
   jobs/_common.py
   tests/helpers.py
+  tests/test_helpers.py
   tests/test_rules.py
 )
 # Checked by ruff only (untyped test modules).

@@ -1,7 +1,12 @@
 """A beanstalkd 1.12 wire-compatible work-queue broker.
 
-Three layers, each importable alone:
-- ``broker.protocol``: the wire codec (bytes in, commands out; replies out);
-- ``broker.queue``: the queue state machine (jobs, tubes, scheduling; no I/O, clock injected);
-- ``broker.server``: the asyncio server that glues them to sockets.
+Layers, each importable alone, lower ones never importing higher ones:
+- ``broker.protocol``: the wire codec (bytes in, named command records out; replies out);
+- ``broker.model``, ``broker.queue``: jobs, tubes, clients and the state machine that moves
+  them (no I/O, clock injected, one timer heap in ``broker.timers``); ``broker.stats``
+  renders the stats replies, ``broker.queue_restore`` puts recovered jobs back;
+- ``broker.binlog*``: persistence, a listener on queue changes (format, files, recovery,
+  segments and space);
+- ``broker.state``, ``broker.connection``, ``broker.server``: the asyncio glue (what
+  connections share, one connection with its flow control, the listeners and timer).
 """

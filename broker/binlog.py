@@ -377,7 +377,8 @@ class Binlog(QueueListener):
         self._nlive += 1
         self._live_bytes += size
         self.records_written += 1
-        self._max_id = max(self._max_id, job.id)
+        if job.id > self._max_id:  # noqa: PLR1730 - a compare, not a call to max(), on the put path
+            self._max_id = job.id
         if len(buf) > 1048576:
             self._flush()
 

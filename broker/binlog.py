@@ -350,6 +350,11 @@ class Binlog(QueueListener):
             tb = self._tube_bytes[name] = name.encode("latin-1")
         return tb
 
+    @property
+    def write_error(self) -> str | None:
+        """The last failed write or fsync, until one succeeds again: /readyz reports it."""
+        return self._write_error
+
     def job_put(self, job: Job) -> None:
         name = job.tube.name
         tb = self._tube_bytes.get(name)

@@ -102,6 +102,9 @@ async def readiness(server: BrokerView) -> list[str]:
         reasons.append("not accepting connections")
     if server.queue.draining:
         reasons.append("draining (SIGUSR1): put answers DRAINING")
+    write_error = getattr(server.listener, "write_error", None)
+    if isinstance(write_error, str):
+        reasons.append(f"binlog cannot write: {write_error}")
     directory = getattr(server.listener, "dir", None)
     if isinstance(directory, str):
         problem = await asyncio.to_thread(_probe_write, directory)

@@ -16,6 +16,7 @@ from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.security import TlsConfig, load_token
+from broker.replication.options import build_member, member_listener, replication_options
 from broker.server import ServerConfig, install_uvloop, run_server
 
 # TOML key -> click parameter name (both spellings accepted in the file).
@@ -104,6 +105,7 @@ def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
               help="Serve Prometheus metrics at http://ADDR:PORT/metrics.")
 @click.option("--extended-stats", is_flag=True, default=False,
               help="Add our counters after beanstalkd's stats keys (on when any limit, TLS or auth is set).")
+@replication_options
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
                    fsync_ms: int, no_fsync: bool, binlog_size: int, max_connections: int, max_jobs: int,
                    max_job_bytes: int, max_tubes: int, max_reserved_per_connection: int, idle_timeout: float,
@@ -138,14 +140,23 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
     config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose, limits=limits,
                           tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened,
                           binlog_max_size=binlog_size)
+    # replication (broker.replication): a member wraps the binlog and hooks into the server
+    member = build_member(binlog_dir, listen, port, token, tls.server_context() if tls is not None else None)
+    if member is not None:
+        assert listener is not None
+        listener = member_listener(member, listener)
+        config.extended_stats = True
     install_uvloop()
 
     def ready(server) -> None:
+        if member is not None:
+            member.started(server)
         if verbose:
             logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()))
 
     try:
-        asyncio.run(run_server(config, listener, on_ready=ready))
+        asyncio.run(run_server(config, listener, on_ready=ready,
+                               before_start=member.install if member is not None else None))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
 

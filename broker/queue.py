@@ -1062,6 +1062,77 @@ class Queue:
         return n
 
 
+    # -- replication apply (used by broker.replication.follower) -----------------------------------
+    # A replica changes its queue only through these, from the leader's log records; each tells
+    # the listener (the replica's own binlog) as a command would.
+    def apply_job(self, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes,
+                  state: int, deadline: int, created: int, counters: tuple[int, int, int, int, int]) -> None:
+        """A full job record: create the job, or (a compaction or snapshot copy) set its state."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            self.apply_state(job_id, state, pri, delay_ns, deadline, counters)
+            return
+        job = self.restore_job(job_id, tube_name, pri, delay_ns, ttr_ns, body, state, deadline, created, counters)
+        if self.listening:
+            try:
+                self.listener.job_put(job)
+            except StorageFull:
+                self._detach(job)
+                self._forget_job(job)
+                self._unref(job.tube)
+                raise
+            if job.state == BURIED or job.reserves or job.rare is not None:
+                self.listener.job_updated(job)
+
+    def apply_state(self, job_id: int, state: int, pri: int, delay_ns: int, deadline: int,
+                    counters: tuple[int, int, int, int, int]) -> None:
+        """A job's new state (release, bury, kick, timeout on the leader); unknown ids are ignored."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        self._detach(job)
+        job.pri = pri
+        job.delay = delay_ns
+        job.rare = None
+        job.set_counters(counters)
+        now = self.clock()
+        if state == BURIED:
+            self._bury(job)
+            job.buries -= 1  # the record's count already includes this bury
+        elif state == DELAYED and deadline > now:
+            self._enqueue(job, deadline - now, now)
+        else:
+            self._enqueue(job, 0, now)
+        self.listener.job_updated(job)
+
+    def apply_delete(self, job_id: int) -> None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        self._detach(job)
+        job.tube.total_deletes += 1
+        self._forget_job(job)
+        self.listener.job_deleted(job)
+        self._unref(job.tube)
+
+    def _detach(self, job: Job) -> None:
+        """Take a job out of whatever structure holds it (its state says which)."""
+        state = job.state
+        if state == READY:
+            self._remove_ready(job)
+        elif state == DELAYED:
+            self._remove_delayed(job)
+        elif state == BURIED:
+            self._remove_buried(job)
+        elif state == RESERVED and job.reserver is not None:
+            self._unreserve(job.reserver, job)
+
+    def _forget_job(self, job: Job) -> None:
+        job.state = INVALID
+        del self.jobs[job.id]
+        self.held_bytes -= len(job.body)
+
+
 _OP_STAT_ORDER = ("put", "peek", "peek-ready", "peek-delayed", "peek-buried", "reserve",
                   "reserve-with-timeout", "delete", "release", "use", "watch", "ignore", "bury",
                   "kick", "touch", "stats", "stats-job", "stats-tube", "list-tubes", "list-tube-used",

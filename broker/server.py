@@ -17,7 +17,7 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from broker import logs
 from broker import protocol as p
@@ -258,6 +258,11 @@ class BrokerConnection(asyncio.Protocol):
         waiting, a put header), or _QUIT once the connection is closing."""
         name = cmd[0]
         queue = self.queue
+        gate = self.server.write_gate
+        if gate is not None and name in gate.commands:
+            refusal = gate.refuse(name)
+            if refusal is not None:
+                return refusal
         if name == "put":
             return queue.put(self.client, cmd[1], cmd[2], cmd[3], cmd[4], cmd[5])
         if name == "reserve":
@@ -390,6 +395,10 @@ class BrokerServer:
         # -f 0: the replies of one loop iteration wait for one fsync (see hold_for_commit).
         self.group_commit = listener is not None and listener.syncs_every_reply
         self.held_replies: list[tuple[BrokerConnection, bytes]] = []
+        # Replication hooks (broker.replication): refuses changes on a member that is not the
+        # leader, and holds acknowledging replies until enough replicas have their records.
+        self.write_gate: WriteGate | None = None
+        self.replication_hold: ReplicationHold | None = None
         self.held_bytes = 0
         self.connections: set[BrokerConnection] = set()
         self.servers: list[asyncio.base_events.Server] = []
@@ -489,6 +498,8 @@ class BrokerServer:
         self.held_replies = []
         self.held_bytes = 0
         self.sync_point()
+        if self.replication_hold is not None and self.replication_hold.hold(held):
+            return  # sent by the hold once enough replicas have the records (--sync-replicas)
         for conn, data in held:
             conn._send(data)
 
@@ -555,6 +566,20 @@ class BrokerServer:
             self.listener.close()
 
 
+class WriteGate(Protocol):
+    """Refuses the commands in ``commands`` while this member may not change the queue."""
+
+    commands: frozenset[str]
+
+    def refuse(self, name: str) -> bytes | None: ...
+
+
+class ReplicationHold(Protocol):
+    """Takes a group of replies that must wait for replicas; False: send them now."""
+
+    def hold(self, replies: list[tuple[BrokerConnection, bytes]]) -> bool: ...
+
+
 def _discard(_reply: bytes) -> None:
     """deliver() of a closed connection."""
 
@@ -590,7 +615,8 @@ def tune_gc() -> None:
 
 
 async def run_server(config: ServerConfig, listener: QueueListener | None = None,
-                     on_ready: Callable[[BrokerServer], None] | None = None) -> None:
+                     on_ready: Callable[[BrokerServer], None] | None = None,
+                     before_start: Callable[[BrokerServer], None] | None = None) -> None:
     tune_gc()
     server = BrokerServer(config, listener)
     loop = asyncio.get_running_loop()
@@ -602,6 +628,8 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
     if listener is not None:
         listener.recover(server.queue)
         gc.freeze()  # the recovered jobs are long-lived: keep them out of future collections
+    if before_start is not None:
+        before_start(server)  # replication: gates and hooks in place before the first client
     await server.start()
     if on_ready is not None:
         on_ready(server)

@@ -332,6 +332,8 @@ class Member:
             "replication-lag-seconds": f"{self.applier.lag_seconds() if replica else 0.0:.3f}",
             "replication-replicas": len(self.source.sessions),
             "replication-sync-replicas": self.config.sync_replicas,
+            "replication-joined-by-backlog": self.source.catch_ups["backlog"],
+            "replication-joined-by-snapshot": self.source.catch_ups["snapshot"],
             "replication-stream-connected": "true" if (self.follower is not None and self.follower.connected)
             else "false",
         }

@@ -63,6 +63,7 @@ class ReplicationSource(QueueListener):
         self.sessions: list[ReplicaSession] = []
         self.queue: Queue | None = None
         self.on_ack: Callable[[], None] = _nothing
+        self.catch_ups = {"backlog": 0, "snapshot": 0}  # how replicas joined, for stats
         self._tubes: dict[str, bytes] = {}
 
     # -- leading ---------------------------------------------------------------------------
@@ -162,6 +163,7 @@ class ReplicationSource(QueueListener):
             how = "snapshot"
         session.send(b"".join(parts))
         self.sessions.append(session)
+        self.catch_ups[how] += 1
         return how
 
     def detach(self, session: ReplicaSession) -> None:

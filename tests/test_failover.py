@@ -184,7 +184,7 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
         for rnd in range(3):
             leader = wait_until(lambda: _one_leader(members), 10, what="one leader")
             before = sum(w.ops for w in workers)
-            wait_until(lambda: sum(w.ops for w in workers) > before + 50, 10, what="load running")
+            wait_until(lambda before=before: sum(w.ops for w in workers) > before + 50, 10, what="load running")
             time.sleep(rng.uniform(0.0, 0.8))  # a random moment under load
             t_kill = time.monotonic()
             leader.kill()
@@ -192,7 +192,7 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
             leader.start()  # same directory and ports: it must come back as a replica
             new = wait_until(lambda: _one_leader(members), 10, what="one leader after the restart")
             assert new is not leader
-            wait_until(lambda: _caught_up(new, leader), 15, what="the old leader rejoined and caught up")
+            wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15, what="the old leader rejoined and caught up")
     finally:
         stop.set()
         for w in workers:

@@ -6,7 +6,7 @@ leads, in the stream to its replicas. The binlog goes first so that a put it ref
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from broker.queue import Job, Queue, QueueListener
 

@@ -15,8 +15,8 @@ import logging
 import os
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from broker import logs
 from broker.queue import Queue, StorageFull
@@ -135,8 +135,7 @@ class Applier:
     def _bump_next_id(self, payload: bytes) -> None:
         if len(payload) == wire.NEXT_ID.size:
             next_id = wire.NEXT_ID.unpack(payload)[0]
-            if next_id > self.queue.next_id:
-                self.queue.next_id = next_id
+            self.queue.next_id = max(self.queue.next_id, next_id)
 
 
 @dataclass

@@ -28,11 +28,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from broker import logs
+from broker import logs, security
 from broker import protocol as p
-from broker import security
 from broker.replication import wire
-from broker.replication.follower import Applier, Follower, Position, StreamTarget, load_position, save_position
+from broker.replication.follower import (
+    Applier,
+    Follower,
+    Position,
+    StreamTarget,
+    load_position,
+    save_position,
+)
 from broker.replication.source import ReplicaSession, ReplicationSource, SyncHold
 
 if TYPE_CHECKING:

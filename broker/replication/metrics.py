@@ -1,7 +1,8 @@
 """Prometheus metrics of a replicated member (registered on the broker's --metrics endpoint)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import ssl
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from broker import binlog_format as fmt
 from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener

@@ -11,6 +11,8 @@ import collections
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -263,5 +265,34 @@ def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_pa
           f"its first ack at {first_new - t_cut:.2f}s")
     assert last_old < first_new, "two leaders acknowledged at once"
     assert last_old - t_cut < 1.5  # fenced within the lease (1 s), not after
+    for m in members:
+        m.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", *args], check=False,
+                          capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd):
+    members = _start_cluster(tmp_path, [etcd.address] * 3, sync=1)
+    first, target = members[0], members[2]
+    conn = Connection(first.host, first.port, timeout=5)
+    ids = [conn.put(b"p%d" % i) for i in range(100)]
+    conn.close()
+    done = _cli("promote", "-m", target.repl_address)
+    assert done.returncode == 0, done.stderr
+    assert _one_leader(members) is target
+    conn = Connection(target.host, target.port, timeout=5)
+    assert all(conn.stats_job(i) is not None for i in ids)
+    assert conn.put(b"after") > max(ids)
+    conn.close()
+    refused = _cli("demote", "-m", first.repl_address)
+    assert refused.returncode != 0 and "not the leader" in refused.stderr
+    done = _cli("demote", "-m", target.repl_address)
+    assert done.returncode == 0, done.stderr
+    new = wait_until(lambda: _one_leader(members), 10, what="a leader after demote")
+    assert new is not target
     for m in members:
         m.stop()

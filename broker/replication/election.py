@@ -126,6 +126,9 @@ class EtcdLeadership:
         if member.lease_until and member.lease_until < time.monotonic() and self.lease:
             await self._drop_lease()  # a lease we could not renew in time: start afresh
             return
+        if leader is not None and leader.lease == self.lease:
+            await self._drop_lease()  # we stepped down (demote, fencing) but still hold the key: let it go
+            return
         if member.promote_requested:
             member.promote_requested = False
             await self.etcd.put(self.k_handover, member.config.name.encode(), self.lease)

@@ -16,6 +16,7 @@ from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.security import TlsConfig, load_token
+from broker.replication.options import CONFIG_KEYS as REPLICATION_CONFIG_KEYS
 from broker.replication.options import build_member, member_listener, replication_options
 from broker.server import ServerConfig, install_uvloop, run_server
 
@@ -30,6 +31,7 @@ _CONFIG_KEYS = {
     "slow_reader_timeout": "slow_reader_timeout",
     "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca", "tls_port": "tls_port",
     "auth_token_file": "auth_token_file", "metrics": "metrics", "extended_stats": "extended_stats",
+    **REPLICATION_CONFIG_KEYS,
 }
 
 

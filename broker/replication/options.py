@@ -20,6 +20,9 @@ from broker.replication.source import ReplicationSource
 
 F = TypeVar("F", bound=Callable[..., Any])
 _META = "replication"
+# conf/broker.toml keys of these flags (merged into broker.cli's table).
+CONFIG_KEYS = {key: key for key in ("replica_of", "replication_listen", "sync_replicas", "etcd", "cluster",
+                                    "member_name", "lease_ttl", "replication_ca")}
 
 
 def _store(ctx: click.Context, param: click.Parameter, value: object) -> object:

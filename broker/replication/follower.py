@@ -10,9 +10,11 @@ lag behind the binlog, never run ahead of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -181,6 +183,7 @@ class Follower:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(t.host, t.port, ssl=t.ssl_context,
                                     server_hostname=t.host if t.ssl_context is not None else None), CONNECT_TIMEOUT)
+        nodelay(writer)
         try:
             await self._handshake(reader, writer)
             self.connected = True
@@ -219,3 +222,11 @@ class Follower:
                 save_position(self.state_dir, self.applier.pos)
             except OSError as exc:
                 logs.event(log, logging.ERROR, "replication-state", f"cannot save the position: {exc}")
+
+
+def nodelay(writer: asyncio.StreamWriter) -> None:
+    """Acks and records are small and latency-bound: no Nagle delay on the stream."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

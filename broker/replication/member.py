@@ -37,6 +37,7 @@ from broker.replication.follower import (
     Position,
     StreamTarget,
     load_position,
+    nodelay,
     save_position,
 )
 from broker.replication.source import ReplicaSession, ReplicationSource, SyncHold
@@ -262,6 +263,7 @@ class Member:
         await self._listener.serve_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nodelay(writer)
         try:
             line = await asyncio.wait_for(reader.readline(), 10)
             token = self.config.token

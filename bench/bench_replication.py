@@ -34,8 +34,8 @@ OUT = BENCH / "out"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from spark_beanstalk.client import BeanstalkError, Connection  # noqa: E402
-from spark_beanstalk.embedded import (  # noqa: E402
+from spark_beanstalk.client import BeanstalkError, Connection
+from spark_beanstalk.embedded import (
     ServerProcess,
     broker_process,
     etcd_process,

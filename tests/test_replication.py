@@ -7,7 +7,9 @@ import time
 import greenstalk
 import pytest
 
-from tests.helpers import member_process, wait_until
+from spark_beanstalk.client import Connection
+from tests.helpers import free_port, member_process, wait_until
+from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 
 def _client(proc) -> greenstalk.Client:
@@ -137,3 +139,36 @@ def test_sync_replicas_hold_the_reply_until_a_replica_has_the_record(tmp_path):
             replica.stop()
     finally:
         primary.stop()
+
+
+def test_stream_over_tls_with_the_brokers_token(tmp_path, certs):  # noqa: F811  (certs: the fixture)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope\n")
+    tls = ["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+           "--tls-port", str(free_port())]
+    primary = member_process(str(tmp_path / "a"), extra_args=[*tls, "--auth-token-file", str(token)]).start()
+    good = member_process(str(tmp_path / "b"), replica_of=primary.repl_address, stderr_path=str(tmp_path / "b.log"),
+                          extra_args=["--replication-ca", str(certs / "ca.crt"), "--auth-token-file", str(token)])
+    bad = member_process(str(tmp_path / "c"), replica_of=primary.repl_address, stderr_path=str(tmp_path / "c.log"),
+                         extra_args=["--replication-ca", str(certs / "ca.crt"), "--auth-token-file", str(wrong)])
+    try:
+        with Connection(primary.host, primary.port, auth_token="s3cret") as c:
+            ids = [c.put(b"t%d" % i) for i in range(10)]
+        good.start()
+        bad.start()
+
+        def replica_has_all() -> bool:
+            with Connection(good.host, good.port, auth_token="s3cret") as c:
+                return all(c.stats_job(i) is not None for i in ids)
+
+        wait_until(replica_has_all, 15, what="the TLS replica has every job")
+        wait_until(lambda: "auth refused" in _log(bad), 15, what="the wrong token refused")
+        with Connection(primary.host, primary.port, auth_token="s3cret") as c:
+            assert c.stats()["replication-replicas"] == 1
+        with Connection(bad.host, bad.port, auth_token="nope") as c:
+            assert c.stats()["current-jobs-ready"] == 0
+    finally:
+        for proc in (bad, good, primary):
+            proc.stop()

@@ -125,6 +125,8 @@ def test_sync_replicas_hold_the_reply_until_a_replica_has_the_record(tmp_path):
     primary = member_process(str(tmp_path / "a"), sync_replicas=1, stderr_path=str(tmp_path / "a.log")).start()
     try:
         assert _put_raw(primary, b"waits", 0.5) == b""  # no replica: no acknowledgement
+        with Connection(primary.host, primary.port, timeout=5) as c:  # reads on other connections are answered
+            assert c.stats()["replication-role"] == "leader"
         replica = member_process(str(tmp_path / "b"), replica_of=primary.repl_address).start()
         try:
             t0 = time.monotonic()

@@ -195,9 +195,12 @@ class SyncHold:
     """--sync-replicas N: replies wait, in order, until N replicas have their records.
 
     Installed as the server's ``replication_hold``: ``commit_group`` hands it each group of
-    replies after the binlog's sync point; the group is sent once ``acked_by(N)`` reaches the
-    newest record made before it. Replies go out only while ``may_ack()`` (the leader's lease
-    is valid); on step-down, held replies are dropped and their connections closed.
+    replies after the binlog's sync point. A group made while records were logged waits
+    until ``acked_by(N)`` reaches the newest of them; a group that logged nothing (reads,
+    reserves) goes out at once, except the replies of connections that already have replies
+    waiting (each connection's replies stay in order). Replies go out only while
+    ``may_ack()`` (the leader's lease is valid); on step-down held replies are dropped and
+    their connections closed.
     """
 
     def __init__(self, source: ReplicationSource, needed: int, may_ack: Callable[[], bool]) -> None:
@@ -205,6 +208,8 @@ class SyncHold:
         self.needed = needed
         self.may_ack = may_ack
         self.waiting: deque[tuple[int, list[tuple[BrokerConnection, bytes]]]] = deque()
+        self.held: dict[BrokerConnection, int] = {}  # connection -> groups of it waiting
+        self.last_seq = 0
         source.on_ack = self.release
 
     def hold(self, replies: list[tuple[BrokerConnection, bytes]]) -> bool:
@@ -212,17 +217,44 @@ class SyncHold:
         if not source.active:
             return False  # not leading: nothing here acknowledges a change (the gate refused them)
         target = source.seq
+        logged = target != self.last_seq
+        self.last_seq = target
         if not self.waiting and source.acked_by(self.needed) >= target and self.may_ack():
             return False
-        self.waiting.append((target, replies))
+        if not logged:
+            later = [(conn, data) for conn, data in replies if conn in self.held]
+            for conn, data in replies:
+                if conn not in self.held:
+                    conn._send(data)
+            if later:
+                self._wait(self.waiting[-1][0] if self.waiting else target, later)
+            return True
+        self._wait(target, replies)
         return True
+
+    def _wait(self, target: int, replies: list[tuple[BrokerConnection, bytes]]) -> None:
+        self.waiting.append((target, replies))
+        held = self.held
+        for conn in {conn for conn, _ in replies}:
+            held[conn] = held.get(conn, 0) + 1
+
+    def _done(self, replies: list[tuple[BrokerConnection, bytes]]) -> None:
+        held = self.held
+        for conn in {conn for conn, _ in replies}:
+            n = held.get(conn, 0) - 1
+            if n > 0:
+                held[conn] = n
+            else:
+                held.pop(conn, None)
 
     def release(self) -> None:
         if not self.waiting or not self.may_ack():
             return
         done = self.source.acked_by(self.needed)
         while self.waiting and self.waiting[0][0] <= done:
-            for conn, data in self.waiting.popleft()[1]:
+            replies = self.waiting.popleft()[1]
+            self._done(replies)
+            for conn, data in replies:
                 conn._send(data)
 
     def abort(self) -> None:
@@ -232,6 +264,7 @@ class SyncHold:
                 if conn.transport is not None:
                     conn.closing = True
                     conn.transport.abort()
+        self.held.clear()
 
 
 def _counters(job: Job) -> tuple[int, int, int, int, int]:

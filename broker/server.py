@@ -503,6 +503,10 @@ class BrokerServer:
         for conn, data in held:
             conn._send(data)
 
+    def is_leader(self) -> bool:
+        """For /readyz and load balancers: False only on a replicated member that does not lead now."""
+        return self.write_gate is None or self.write_gate.is_leader()
+
     def addresses(self) -> list[str]:
         result = []
         for server in self.servers:
@@ -572,6 +576,8 @@ class WriteGate(Protocol):
     commands: frozenset[str]
 
     def refuse(self, name: str) -> bytes | None: ...
+
+    def is_leader(self) -> bool: ...
 
 
 class ReplicationHold(Protocol):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 
 import greenstalk
 import pytest
@@ -42,9 +43,12 @@ def _caught_up(primary, replica) -> bool:
 
 @pytest.fixture
 def pair(tmp_path):
-    primary = member_process(str(tmp_path / "a"), stderr_path=str(tmp_path / "a.log")).start()
+    pm, rm = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    primary = member_process(str(tmp_path / "a"), stderr_path=str(tmp_path / "a.log"),
+                             extra_args=["--metrics", pm]).start()
     replica = member_process(str(tmp_path / "b"), replica_of=primary.repl_address,
-                             stderr_path=str(tmp_path / "b.log")).start()
+                             stderr_path=str(tmp_path / "b.log"), extra_args=["--metrics", rm]).start()
+    primary.metrics, replica.metrics = pm, rm
     yield primary, replica
     replica.stop()
     primary.stop()
@@ -77,6 +81,14 @@ def test_replica_applies_every_change_and_refuses_changes(pair):
         s = r.stats()
     assert s["replication-role"] == "replica" and s["current-jobs-ready"] == 5
     assert _stats(primary)["replication-replicas"] == 1
+    assert "beanstalk_replication_leader 1.0" in _metrics(primary)
+    assert "beanstalk_replication_leader 0.0" in _metrics(replica)
+    assert "beanstalk_replication_lag_records 0.0" in _metrics(replica)
+
+
+def _metrics(proc) -> str:
+    with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
+        return resp.read().decode()
 
 
 def test_replica_catches_up_from_backlog_then_by_snapshot(pair, tmp_path):

@@ -255,6 +255,11 @@ def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_pa
         threads[1].start()
         wait_until(lambda: acks["new"], 10, what="puts on the new leader")
         assert (_stats(old) or {}).get("replication-role") != "leader"
+        stop.set()
+        for t in threads:
+            t.join(5)
+        proxy.restore()  # etcd reachable again: the old leader rejoins as a replica
+        wait_until(lambda: _caught_up(new, old), 15, what="the old leader rejoined")
     finally:
         stop.set()
         for t in threads:

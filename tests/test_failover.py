@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from spark_beanstalk.client import BeanstalkError, Connection
+from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
 from tests.helpers import TcpProxy, etcd_process, member_process, wait_until
 
 FAILOVER_LIMIT = 3.0
@@ -60,6 +60,7 @@ class Ledger:
         self.lock = threading.Lock()
         self.puts: dict[bytes, int] = {}
         self.deleted: set[bytes] = set()
+        self.unsure: set[bytes] = set()  # a delete was sent but its reply never came: gone or not
         self.ids: list[int] = []
 
     def put(self, body: bytes, job_id: int) -> None:
@@ -70,6 +71,10 @@ class Ledger:
     def delete(self, body: bytes) -> None:
         with self.lock:
             self.deleted.add(body)
+
+    def delete_unsure(self, body: bytes) -> None:
+        with self.lock:
+            self.unsure.add(body)
 
 
 class Worker(threading.Thread):
@@ -91,14 +96,18 @@ class Worker(threading.Thread):
                     continue
             i += 1
             body = b"w%d-%d" % (self.n, i)
+            job = None
             try:
                 self.ledger.put(body, conn.put(body))
                 if i % 2 == 0:
                     job = conn.reserve(timeout=0)
                     if job is not None and conn.delete(job.id):
                         self.ledger.delete(job.body)
+                    job = None
                 self.ops += 1
-            except (BeanstalkError, OSError):
+            except (BeanstalkError, OSError) as exc:
+                if job is not None and isinstance(exc, (ConnectionLost, OSError)):
+                    self.ledger.delete_unsure(job.body)  # the delete may have been done
                 conn.close()
                 conn = None
 
@@ -207,14 +216,25 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
     bodies = collections.Counter(body for _, body in present)
     ids = [job_id for job_id, _ in present]
     with open(tmp_path / "failover.json", "w") as fh:
-        json.dump({"failover_seconds": times, "acked_puts": len(ledger.puts), "acked_deletes": len(ledger.deleted)}, fh)
+        json.dump({"failover_seconds": times, "acked_puts": len(ledger.puts), "acked_deletes": len(ledger.deleted),
+                   "unanswered_deletes": len(ledger.unsure)}, fh)
     print(f"\nfailover seconds (kill -> first acknowledged put): {[round(t, 2) for t in times]}; "
-          f"{len(ledger.puts)} puts and {len(ledger.deleted)} deletes acknowledged")
+          f"{len(ledger.puts)} puts and {len(ledger.deleted)} deletes acknowledged, {len(ledger.unsure)} deletes unanswered")
     assert len(ledger.puts) > 300 and len(ledger.deleted) > 100
     assert len(set(ledger.ids)) == len(ledger.ids), "a job id was acknowledged twice"
     assert len(set(ids)) == len(ids)
     assert max(bodies.values()) == 1, "a job is present twice"
-    missing = [b for b in ledger.puts if b not in ledger.deleted and b not in bodies]
+    missing = [b for b in ledger.puts if b not in ledger.deleted and b not in ledger.unsure and b not in bodies]
+    if missing and os.environ.get("FAILOVER_DEBUG"):
+        for b in missing:
+            jid = ledger.puts[b]
+            for m in members:
+                conn = Connection(m.host, m.port, timeout=5)
+                print("DEBUG", b, jid, m.port, conn.stats_job(jid), conn.stats()["replication-role"])
+                conn.close()
+        for m in members:
+            with open(m.stderr_path, encoding="utf-8", errors="replace") as fh:
+                print(fh.read()[-3000:])
     assert not missing, f"{len(missing)} acknowledged puts lost, e.g. {missing[:5]}"
     back = [b for b in ledger.deleted if b in bodies]
     assert not back, f"{len(back)} acknowledged deletes came back, e.g. {back[:5]}"

@@ -2,20 +2,24 @@
 
 Keys under ``/<cluster>/`` (values JSON):
 
-* ``members/<name>`` - {client, repl}: a member is alive while its lease is;
+* ``members/<name>`` - {name, client, repl}: a member is alive while its lease is;
 * ``leader`` - {name, client, repl}, put with the leader's lease only if absent (one etcd
   transaction); its create revision is the leader's **epoch** (etcd revisions only grow, so
   every epoch is higher than any before it);
-* ``pos/<name>`` - {round, epoch, seq, candidate}: a member's last record, posted when it
-  sees no leader; ``round`` is the epoch of the last leader it saw;
-* ``handover`` - a member's name: ``spark-beanstalk promote`` asks for it to lead next.
+* ``handover`` - {target, granted}: ``spark-beanstalk promote`` asks for ``target`` to lead
+  next; the leader grants it (and steps down) once the target has every record, and only a
+  granted handover lets the target win without the position check.
 
-Election: a member that sees no leader stops following, posts its position, and waits
-until every live member has posted for the same round (or ``SETTLE`` seconds). The
-candidate with the newest position (epoch, then seq, then name) - or the handover target -
-creates the leader key; the others wait for it, and go again if it does not appear. With
-``--sync-replicas N``, an acknowledged record is on at least N replicas, so while one of
-those lives the winner has every acknowledged change.
+Election: a member that sees no leader stops following and asks every other live member
+(over its replication listener, ``role``) for its position, the (epoch, seq) of its last
+record. It tries to create the leader key only if no live candidate is ahead of it (epoch,
+then seq, then name), or if it is the handover target. A live member that cannot be asked
+blocks the election until it answers or its lease lapses: no deadline ever lets a member
+with an older log win. Why this keeps acknowledged records: a replica acknowledges a record
+only after applying it, the old leader acknowledges to clients only before its lease ends,
+and the leader key disappears only after that; so every record a client was told about is
+already in the position a surviving replica reports. With ``--sync-replicas N`` such a
+replica exists while one of the N that acknowledged survives.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("broker.replication")
 POLL = 0.1
-SETTLE = 0.6
+ASK_TIMEOUT = 0.5
 
 
 class EtcdLeadership:
@@ -47,10 +51,8 @@ class EtcdLeadership:
         base = f"/{cfg.cluster}/"
         self.k_leader = base + "leader"
         self.k_members = base + "members/"
-        self.k_pos = base + "pos/"
         self.k_handover = base + "handover"
         self.lease = 0
-        self.round = 0
         self.margin = min(0.25, cfg.lease_ttl * 0.2)
         repl = cfg.listen
         self.me = json.dumps({"name": cfg.name, "client": cfg.client_address,
@@ -131,10 +133,10 @@ class EtcdLeadership:
             return
         if member.promote_requested:
             member.promote_requested = False
-            await self.etcd.put(self.k_handover, member.config.name.encode(), self.lease)
+            await self.etcd.put(self.k_handover, json.dumps({"target": member.config.name, "granted": False}).encode(),
+                                self.lease)
         if leader is not None:
             info = _json(leader)
-            self.round = leader.create_revision
             if info.get("name") != member.config.name and info.get("repl"):
                 host, port = split_address(str(info["repl"]))
                 member.follow(str(info.get("name", "")), host, port)
@@ -145,12 +147,16 @@ class EtcdLeadership:
         handover = await self.etcd.get(self.k_handover)
         if handover is None:
             return
-        target = handover.value.decode()
-        if target == self.member.config.name:
-            await self.etcd.delete(self.k_handover)
+        request = _json(handover)
+        target = str(request.get("target", ""))
+        if target == self.member.config.name or request.get("granted"):
+            await self.etcd.delete(self.k_handover)  # stale: a finished handover, or one to us
             return
         source = self.member.source
         if any(s.name == target and s.acked >= source.seq for s in source.sessions):
+            # granted only now, while we lead and the target has every record: it may skip the position check
+            granted = json.dumps({"target": target, "granted": True}).encode()
+            await self.etcd.put(self.k_handover, granted, handover.lease)
             self.member.no_candidacy_until = time.monotonic() + 3 * self.member.config.lease_ttl
             self.member.step_down(f"handing over to {target}")
             await self._drop_lease()
@@ -159,45 +165,31 @@ class EtcdLeadership:
     async def _elect(self) -> None:
         member = self.member
         await member.stop_following()
-        pos = member.position()
-        name = member.config.name
-        mine = {"round": self.round, "epoch": pos.epoch, "seq": pos.seq, "candidate": member.may_lead()}
-        await self.etcd.put(self.k_pos + name, json.dumps(mine).encode(), self.lease)
-        posted = await self._gather()
-        if posted is None:
-            return  # a leader appeared meanwhile
-        handover = await self.etcd.get(self.k_handover)
-        wanted = handover.value.decode() if handover is not None else ""
-        candidates = {n: v for n, v in posted.items() if v.get("candidate")}
-        if not candidates:
-            return
-        best = wanted if wanted in candidates else max(
-            candidates, key=lambda n: (int(candidates[n]["epoch"]), int(candidates[n]["seq"]), n))
-        if best != name:
+        if not member.may_lead():
             await self._await_leader()
             return
+        pos = member.position()
+        name = member.config.name
+        handover = await self.etcd.get(self.k_handover)
+        request = _json(handover) if handover is not None else {}
+        wanted = str(request.get("target", "")) if request.get("granted") else ""
+        for kv in await self.etcd.get_prefix(self.k_members):
+            other = kv.key[len(self.k_members):]
+            if other == name:
+                continue
+            info = _json(kv)
+            state = await member.ask_role(str(info.get("repl", "")), ASK_TIMEOUT)
+            if state is None:
+                return  # a live member we cannot ask: decide nothing without it (next poll asks again)
+            if state.role == "leader" or (state.candidate and (
+                    other == wanted or (wanted != name and (state.epoch, state.seq, other) > (pos.epoch, pos.seq, name)))):
+                await self._await_leader()
+                return
         epoch = await self.etcd.create(self.k_leader, self.me, self.lease)
         if epoch is not None and time.monotonic() < member.lease_until:
             member.become_leader(epoch)
-            self.round = epoch
             if wanted == name:
                 await self.etcd.delete(self.k_handover)
-
-    async def _gather(self) -> dict[str, dict[str, Any]] | None:
-        deadline = time.monotonic() + SETTLE
-        while True:
-            live = {kv.key[len(self.k_members):] for kv in await self.etcd.get_prefix(self.k_members)}
-            posted = {}
-            for kv in await self.etcd.get_prefix(self.k_pos):
-                value = _json(kv)
-                who = kv.key[len(self.k_pos):]
-                if who in live and value.get("round") == self.round:
-                    posted[who] = value
-            if live <= posted.keys() or time.monotonic() > deadline:
-                return posted
-            if await self.etcd.get(self.k_leader) is not None:
-                return None
-            await asyncio.sleep(POLL / 2)
 
     async def _await_leader(self) -> None:
         deadline = time.monotonic() + self.member.config.lease_ttl + 1.0

@@ -26,7 +26,7 @@ import math
 import ssl
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from broker import logs, security
 from broker import protocol as p
@@ -68,6 +68,15 @@ class ReplicationConfig:
     token: bytes | None = None
     tls_server: ssl.SSLContext | None = None
     client_address: str = ""
+
+
+class RoleState(NamedTuple):
+    """A member's answer to ``role``: what it is, its last record, whether it may lead."""
+
+    role: str
+    epoch: int
+    seq: int
+    candidate: bool
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -309,7 +318,8 @@ class Member:
     async def _admin(self, verb: str) -> bytes:
         if verb == "role":
             pos = self.position()
-            return b"OK %s %d %d\r\n" % (self.role.encode(), pos.epoch, pos.seq)
+            role = b"leader" if self.is_leader() else b"replica"
+            return b"OK %s %d %d %d\r\n" % (role, pos.epoch, pos.seq, self.may_lead())
         if self.config.etcd is None:
             return b"ERROR promote and demote need --etcd\r\n"
         if verb == "demote":
@@ -324,6 +334,31 @@ class Member:
         return b"PROMOTING\r\n"
 
     promote_requested = False
+
+    async def ask_role(self, address: str, timeout: float) -> RoleState | None:
+        """Another member's role and position (its ``role`` answer), or None if it cannot be asked."""
+        try:
+            host, port = split_address(address)
+            ssl_ctx = self._client_ssl()
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                host, port, ssl=ssl_ctx, server_hostname=host if ssl_ctx is not None else None), timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return None
+        try:
+            if self.config.token is not None:
+                writer.write(b"auth %s\r\n" % self.config.token)
+            writer.write(b"role\r\n")
+            line = await asyncio.wait_for(reader.readline(), timeout)
+            if self.config.token is not None and line == security.AUTH_OK:
+                line = await asyncio.wait_for(reader.readline(), timeout)
+            words = line.split()
+            if len(words) != 5 or words[0] != b"OK":
+                return None
+            return RoleState(words[1].decode(), int(words[2]), int(words[3]), words[4] == b"1")
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return None
+        finally:
+            writer.close()
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:

@@ -151,6 +151,15 @@ def _first_put_after(members, t_kill: float, ledger: Ledger, tag: str) -> float:
     raise AssertionError("no member accepted a put within 15 s of the kill")
 
 
+def _hold_a_reservation(leader, body: bytes) -> tuple[int, Connection]:
+    """Put a job in tube 'held' and keep it reserved on a connection (kept open) that dies with the leader."""
+    conn = Connection(leader.host, leader.port, timeout=5)
+    conn.use("held")
+    job_id = conn.put(body)
+    assert conn.reserve_job(job_id) is not None
+    return job_id, conn
+
+
 def _drain(leader) -> list[tuple[int, bytes]]:
     conn = Connection(leader.host, leader.port, timeout=5)
     try:
@@ -188,7 +197,9 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
     stop = threading.Event()
     workers = [Worker(n, members, ledger, stop) for n in range(3)]
     rng = random.Random(int(os.environ.get("FAILOVER_SEED", "15")))
-    times = []
+    times: list[float] = []
+    held_ids: list[int] = []
+    holders: list[Connection] = []
     try:
         for w in workers:
             w.start()
@@ -196,10 +207,16 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
             leader = wait_until(lambda: _one_leader(members), 10, what="one leader")
             before = sum(w.ops for w in workers)
             wait_until(lambda before=before: sum(w.ops for w in workers) > before + 50, 10, what="load running")
+            held, holder = _hold_a_reservation(leader, b"held-%d" % rnd)
+            holders.append(holder)
             time.sleep(rng.uniform(0.0, 0.8))  # a random moment under load
             t_kill = time.monotonic()
             leader.kill()
             times.append(_first_put_after(members, t_kill, ledger, f"r{rnd}"))
+            new = wait_until(lambda: _one_leader(members), 10, what="the new leader")
+            with Connection(new.host, new.port, timeout=5) as conn:
+                assert conn.stats_job(held)["state"] == "ready"  # reserved on the old leader: ready here
+            held_ids.append(held)
             leader.start()  # same directory and ports: it must come back as a replica
             new = wait_until(lambda: _one_leader(members), 10, what="one leader after the restart")
             assert new is not leader
@@ -212,6 +229,10 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
     for m in members:
         if m is not leader:
             wait_until(lambda m=m: _caught_up(leader, m), 15, what="every replica caught up")
+    for holder in holders:
+        holder.close()
+    with Connection(leader.host, leader.port, timeout=5) as conn:
+        assert all(conn.stats_job(i)["state"] == "ready" for i in held_ids)
     present = _drain(leader)
     bodies = collections.Counter(body for _, body in present)
     ids = [job_id for job_id, _ in present]

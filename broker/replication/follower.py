@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker import logs
-from broker.queue import Queue, StorageFull
+from broker.queue import Queue
 from broker.replication import wire
 
 log = logging.getLogger("broker.replication")
@@ -166,8 +166,7 @@ class Follower:
         while True:
             try:
                 await self._session()
-            except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError, wire.StreamError,
-                    ValueError, StorageFull) as exc:
+            except Exception as exc:  # noqa: BLE001  (any failure: log it, reconnect, ask again from our position)
                 if str(exc) != self.last_error:
                     logs.event(log, logging.WARNING, "replication-stream", f"{self.target.host}:{self.target.port}: {exc}")
                 self.last_error = str(exc)

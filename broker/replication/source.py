@@ -174,7 +174,7 @@ class ReplicationSource(QueueListener):
 
     def acknowledged(self, session: ReplicaSession, epoch: int, seq: int) -> None:
         if epoch == self.epoch and seq > session.acked:
-            session.acked = seq
+            session.acked = min(seq, self.seq)  # never more than was sent
             self.on_ack()
 
     def heartbeat(self) -> None:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -72,6 +72,7 @@ class ServerProcess:
     stderr_path: str | None = None
     _stderr_file: object = field(default=None, repr=False)
     port_chosen: bool = False  # the port came from free_port(): start() may move to another
+    repl_address: str = ""  # a replicated member's --replication-listen (member_process)
 
     @property
     def address(self) -> str:
@@ -185,7 +186,7 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or (os.path.exists("/usr/bin/etcd") and "/usr/bin/etcd") or None
 
 
-def etcd_process(data_dir: str, host: str = "127.0.0.1", **kw) -> ServerProcess:
+def etcd_process(data_dir: str, host: str = "127.0.0.1", **kw: Any) -> ServerProcess:
     """A one-node etcd on free ports with a short raft heartbeat (lease TTLs of 1 s are allowed); call .start().
 
     ``.address`` is the client endpoint (``host:port``); pass ``http://`` + it to ``--etcd``.
@@ -202,7 +203,7 @@ def etcd_process(data_dir: str, host: str = "127.0.0.1", **kw) -> ServerProcess:
 
 
 def member_process(binlog_dir: str, etcd: str | None = None, name: str | None = None, replica_of: str | None = None,
-                   sync_replicas: int = 0, lease_ttl: int = 1, extra_args: Sequence[str] = (), **kw) -> ServerProcess:
+                   sync_replicas: int = 0, lease_ttl: int = 1, extra_args: Sequence[str] = (), **kw: Any) -> ServerProcess:
     """One member of a replicated broker (``-b`` plus replication flags); call .start().
 
     ``.repl_address`` is its replication listener (what ``--replica-of`` and promote/demote take).
@@ -216,5 +217,5 @@ def member_process(binlog_dir: str, etcd: str | None = None, name: str | None = 
     if sync_replicas:
         args += ["--sync-replicas", str(sync_replicas)]
     proc = broker_process(extra_args=args, **kw)
-    proc.repl_address = f"127.0.0.1:{repl}"  # type: ignore[attr-defined]
+    proc.repl_address = f"127.0.0.1:{repl}"
     return proc

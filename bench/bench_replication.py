@@ -105,8 +105,10 @@ def put_throughput(opts) -> list[dict]:
 def failover(opts) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench-failover-")
     etcd = etcd_process(f"{tmp}/etcd").start()
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
     members = [member_process(f"{tmp}/m{n}", etcd=f"http://{etcd.address}", name=f"m{n}", sync_replicas=1,
-                              lease_ttl=opts.ttl) for n in range(3)]
+                              lease_ttl=opts.ttl, stderr_path=str(OUT / "logs" / f"failover-m{n}.log"),
+                              extra_args=["-V"]) for n in range(3)]
     times = []
     try:
         for m in members:

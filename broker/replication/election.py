@@ -72,6 +72,8 @@ class EtcdLeadership:
                     if str(exc) != self._last_error:
                         logs.event(log, logging.WARNING, "etcd", str(exc))
                     self._last_error = str(exc)
+                except Exception:  # a bug must not end elections for good: log it, go on
+                    log.exception("leadership step failed")
                 await asyncio.sleep(POLL)
         finally:
             keepalive.cancel()
@@ -97,7 +99,10 @@ class EtcdLeadership:
             try:
                 ttl = await self.keepalive_etcd.keepalive(lease)
             except EtcdError:
-                continue  # the gate fences at lease_until by itself
+                continue  # etcd unreachable: the gate fences at lease_until by itself
+            except Exception:
+                log.exception("lease keep-alive failed")
+                continue
             if lease != self.lease:
                 continue
             if ttl <= 0:

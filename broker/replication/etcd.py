@@ -48,7 +48,7 @@ class EtcdClient:
         try:
             async with self._session.post(self.endpoint + path, json=body) as resp:
                 data: dict[str, Any] = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise EtcdError(f"etcd {self.endpoint}{path}: {exc or type(exc).__name__}") from None
         if "error" in data and "header" not in data and "result" not in data:
             raise EtcdError(f"etcd {path}: {data.get('message') or data['error']}")

@@ -160,10 +160,11 @@ class Follower:
         self.state_dir = state_dir
         self.connected = False
         self.last_error = ""
+        self.stopped = False  # besides cancel(): asyncio.wait_for can swallow a cancellation (Python 3.11)
         self._saved_at = 0.0
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             try:
                 await self._session()
             except Exception as exc:  # noqa: BLE001  (any failure: log it, reconnect, ask again from our position)
@@ -193,6 +194,8 @@ class Follower:
                 if not data:
                     raise EOFError("the leader closed the stream")
                 buf += data
+                if self.stopped:
+                    return
                 if self.applier.apply(wire.split_messages(buf)):
                     self.after_batch()
                     pos = self.applier.pos

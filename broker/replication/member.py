@@ -204,6 +204,8 @@ class Member:
         if self.follower is not None and self.follower.target == target and self._follow_task is not None \
                 and not self._follow_task.done():
             return
+        if self.follower is not None:
+            self.follower.stopped = True
         if self._follow_task is not None:
             self._follow_task.cancel()
         self.leader_name = name
@@ -212,11 +214,13 @@ class Member:
 
     async def stop_following(self) -> None:
         task, self._follow_task = self._follow_task, None
+        if self.follower is not None:
+            self.follower.stopped = True
         self.follower = None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # bounded: a cancellation swallowed by wait_for must not stall the election; the flag ends it
+            await asyncio.wait({task}, timeout=2.0)
 
     def shutdown(self) -> None:
         """The server is closing: stop every task before the binlog closes."""

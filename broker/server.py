@@ -17,14 +17,16 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from broker import logs
+from broker import logs, security
 from broker import protocol as p
-from broker import security
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Queue, QueueListener
 from broker.timers import NEVER
+
+if TYPE_CHECKING:
+    from broker.metrics import Collector
 
 log = logging.getLogger("broker")
 
@@ -70,7 +72,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     tls: security.TlsConfig | None = None
     auth_token: bytes | None = None
-    metrics: str | None = None  # "addr:port" of the Prometheus endpoint
+    metrics: str | None = None  # "addr:port" of the HTTP listener (served by broker/http.py, not here)
     extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
     binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
 
@@ -399,6 +401,7 @@ class BrokerServer:
         # leader, and holds acknowledging replies until enough replicas have their records.
         self.write_gate: WriteGate | None = None
         self.replication_hold: ReplicationHold | None = None
+        self.extra_collectors: list[Collector] = []  # more /metrics (replication's)
         self.held_bytes = 0
         self.connections: set[BrokerConnection] = set()
         self.servers: list[asyncio.base_events.Server] = []
@@ -407,7 +410,6 @@ class BrokerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        self.metrics = None
         soft_fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         # Connections beyond this are refused: the rest of the descriptors stay for us.
         reserve = min(_RESERVED_DESCRIPTORS, max(8, soft_fd_limit // 4))
@@ -443,11 +445,6 @@ class BrokerServer:
                                                          backlog=1024, ssl=tls_ctx, **handshake))
         if config.limits.idle_timeout > 0:
             self._schedule_idle_sweep()
-        if config.metrics:
-            from broker.metrics import MetricsServer
-
-            self.metrics = MetricsServer(self)
-            await self.metrics.start(config.metrics)
 
     def _loop_error(self, loop, context: dict) -> None:
         """Errors the loop could not hand to a connection (accept failures such as EMFILE)."""
@@ -564,8 +561,6 @@ class BrokerServer:
             self._timer.cancel()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        if self.metrics is not None:
-            await self.metrics.close()
         if self.listener is not None:
             self.listener.close()
 

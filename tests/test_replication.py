@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import greenstalk
@@ -84,6 +85,15 @@ def test_replica_applies_every_change_and_refuses_changes(pair):
     assert "beanstalk_replication_leader 1.0" in _metrics(primary)
     assert "beanstalk_replication_leader 0.0" in _metrics(replica)
     assert "beanstalk_replication_lag_records 0.0" in _metrics(replica)
+    assert _readyz(primary) == 200 and _readyz(replica) == 503  # load balancers route clients to the leader
+
+
+def _readyz(proc) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{proc.metrics}/readyz", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
 
 
 def _metrics(proc) -> str:

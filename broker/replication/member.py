@@ -119,6 +119,9 @@ class Member:
             self.hold = SyncHold(self.source, self.config.sync_replicas, self.is_leader)
             server.replication_hold = self.hold
             server.group_commit = True
+        from broker.replication.metrics import ReplicationCollector
+
+        server.extra_collectors.append(ReplicationCollector(self))
         previous = queue.extra_stats
         queue.extra_stats = lambda: {**(previous() if previous else {}), **cast("dict[str, int]", self.stats())}
         loop = asyncio.get_running_loop()
@@ -134,12 +137,6 @@ class Member:
         else:
             self.become_leader(self.applier.pos.epoch + 1, static=True)
 
-    def started(self, server: BrokerServer) -> None:
-        """After the listeners are up: metrics."""
-        if server.metrics is not None:
-            from broker.replication.metrics import ReplicationCollector
-
-            server.metrics.registry.register(ReplicationCollector(self))
 
     # -- the gate ----------------------------------------------------------------------------
     def is_leader(self) -> bool:

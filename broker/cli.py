@@ -17,6 +17,7 @@ import tomllib
 
 from broker import logs
 from broker import protocol as p
+from broker.connection import BrokerConnection
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.queue import QueueListener
 from broker.replication.options import CONFIG_KEYS as REPLICATION_CONFIG_KEYS
@@ -27,7 +28,6 @@ from broker.replication.options import (
 )
 from broker.security import TlsConfig, load_token
 from broker.server import (
-    BrokerConnection,
     BrokerServer,
     ServerConfig,
     install_uvloop,
@@ -199,7 +199,7 @@ async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Ca
         if http_sock is not None:
             from broker.http import HttpListener
 
-            local = (lambda: BrokerConnection(server)) if dashboard else None
+            local = (lambda: BrokerConnection(server.state)) if dashboard else None
             listeners.append(HttpListener(server, http_sock, local))
             listeners[0].start_soon()
 

@@ -25,6 +25,10 @@ class Fanout(QueueListener):
         for item in self.listeners:
             item.job_updated(job)
 
+    def job_reserved(self, job: Job) -> None:
+        for item in self.listeners:
+            item.job_reserved(job)
+
     def job_deleted(self, job: Job) -> None:
         for item in self.listeners:
             item.job_deleted(job)

@@ -114,11 +114,11 @@ class Member:
         self.server = server
         queue = server.queue
         self.applier = Applier(queue, load_position(self.config.state_dir))
-        server.write_gate = self
+        server.state.write_gate = self
         if self.config.sync_replicas:
             self.hold = SyncHold(self.source, self.config.sync_replicas, self.is_leader)
-            server.replication_hold = self.hold
-            server.group_commit = True
+            server.state.replication_hold = self.hold
+            server.state.group_commit = True
         from broker.replication.metrics import ReplicationCollector
 
         server.extra_collectors.append(ReplicationCollector(self))
@@ -183,15 +183,14 @@ class Member:
         server = self.server
         self.role = "replica"
         self.lease_until = 0.0
-        server.held_replies = []  # replies not sent yet: their changes are not acknowledged
-        server.held_bytes = 0
+        server.state.drop_held()  # replies not sent yet: their changes are not acknowledged
         if self.hold is not None:
             self.hold.abort()
         self.applier.pos = Position(self.epoch, self.source.seq)
         self.source.stop()
         self._save()
         for conn in list(server.connections):
-            conn._close()
+            conn.close()
         logs.event(log, logging.WARNING, "step-down", f"{self.config.name} no longer leads: {reason}")
 
     def follow(self, name: str, host: str, port: int) -> None:
@@ -237,7 +236,7 @@ class Member:
             return
         listener = self.server.queue.listener
         listener.sync_point()
-        self.server.reschedule()
+        self.server.timer.check()
 
     def _client_ssl(self) -> ssl.SSLContext | None:
         if self.config.ca_file is None:

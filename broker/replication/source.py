@@ -21,7 +21,7 @@ from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener
 from broker.replication import wire
 
 if TYPE_CHECKING:
-    from broker.server import BrokerConnection
+    from broker.connection import BrokerConnection
 
 NS = 1_000_000_000
 BACKLOG_BYTES = 64 << 20
@@ -99,6 +99,9 @@ class ReplicationSource(QueueListener):
         if self.active and job.state != INVALID:
             deadline = job.deadline + self._wall_offset() if job.state == DELAYED else 0
             self._emit(fmt.encode_update(job.id, job.state, job.pri, job.delay, deadline, _counters(job)))
+
+    def job_reserved(self, job: Job) -> None:
+        self.job_updated(job)  # state reserved, reserves+1: a replica keeps the count (it holds the job ready)
 
     def job_deleted(self, job: Job) -> None:
         if self.active:
@@ -225,7 +228,7 @@ class SyncHold:
             later = [(conn, data) for conn, data in replies if conn in self.held]
             for conn, data in replies:
                 if conn not in self.held:
-                    conn._send(data)
+                    conn.send(data)
             if later:
                 self._wait(self.waiting[-1][0] if self.waiting else target, later)
             return True
@@ -255,7 +258,7 @@ class SyncHold:
             replies = self.waiting.popleft()[1]
             self._done(replies)
             for conn, data in replies:
-                conn._send(data)
+                conn.send(data)
 
     def abort(self) -> None:
         """Stepping down: these replies may never say their changes were accepted."""

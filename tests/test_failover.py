@@ -151,13 +151,26 @@ def _first_put_after(members, t_kill: float, ledger: Ledger, tag: str) -> float:
     raise AssertionError("no member accepted a put within 15 s of the kill")
 
 
-def _hold_a_reservation(leader, body: bytes) -> tuple[int, Connection]:
-    """Put a job in tube 'held' and keep it reserved on a connection (kept open) that dies with the leader."""
-    conn = Connection(leader.host, leader.port, timeout=5)
-    conn.use("held")
-    job_id = conn.put(body)
-    assert conn.reserve_job(job_id) is not None
-    return job_id, conn
+def _hold_a_reservation(members, body: bytes) -> tuple[object, int, Connection]:
+    """Put a job in tube 'held' on the leader and keep it reserved on a connection (kept open) that
+    dies with the leader; returns (leader, job id, connection). Retried while leadership moves."""
+
+    def attempt():
+        leader = _one_leader(members)
+        if leader is None:
+            return None
+        conn = Connection(leader.host, leader.port, timeout=5)
+        try:
+            conn.use("held")
+            job_id = conn.put(body)
+            if conn.reserve_job(job_id) is not None:
+                return leader, job_id, conn
+        except (BeanstalkError, OSError):
+            pass
+        conn.close()
+        return None
+
+    return wait_until(attempt, 10, what="a reservation held on the leader")
 
 
 def _drain(leader) -> list[tuple[int, bytes]]:
@@ -204,10 +217,9 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
         for w in workers:
             w.start()
         for rnd in range(3):
-            leader = wait_until(lambda: _one_leader(members), 10, what="one leader")
             before = sum(w.ops for w in workers)
             wait_until(lambda before=before: sum(w.ops for w in workers) > before + 50, 10, what="load running")
-            held, holder = _hold_a_reservation(leader, b"held-%d" % rnd)
+            leader, held, holder = _hold_a_reservation(members, b"held-%d" % rnd)
             holders.append(holder)
             time.sleep(rng.uniform(0.0, 0.8))  # a random moment under load
             t_kill = time.monotonic()

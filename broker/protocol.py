@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
+from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
+from beanstalk_rules.tubes import valid_tube_name
 
 LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
-MAX_TUBE_NAME = 200
 DEFAULT_MAX_JOB_SIZE = 65535
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 ULONG_MAX = 2**64 - 1
 LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
 
-NAME_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()")
 C_SPACE = b" \t\n\v\f\r"
 
 
@@ -278,10 +278,6 @@ def parse_strtol_int(text: bytes) -> int:
     return value - 2**32 if value >= 2**31 else value
 
 
-def valid_tube_name(name: bytes) -> bool:
-    return 0 < len(name) <= MAX_TUBE_NAME and name[0] != 45 and all(c in NAME_CHARS for c in name)
-
-
 def _name_arg(line: bytes, start: int) -> str:
     name = line[start:]
     if not valid_tube_name(name):
@@ -418,7 +414,7 @@ def _parse_pause(line: bytes) -> PauseTube:
         raise ParseError(BAD_FORMAT)
     delay, _ = read_uint(line, end, U32_MAX, True)
     name = line[pos:end]
-    if len(name) > MAX_TUBE_NAME or name[0] == 45:
+    if not valid_tube_name(name):  # every byte is a name byte here: length and leading '-' decide
         raise ParseError(BAD_FORMAT, counted="pause-tube")
     return PauseTube("pause-tube", name.decode("ascii"), delay)
 

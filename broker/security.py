@@ -11,11 +11,14 @@ from __future__ import annotations
 import hmac
 import ssl
 from dataclasses import dataclass
-from pathlib import Path
+
+from beanstalk_rules.tokens import read_token as load_token
 
 AUTH_OK = b"OK\r\n"
 UNAUTHORIZED = b"UNAUTHORIZED\r\n"
 MAX_AUTH_FAILURES = 3
+
+__all__ = ["AUTH_OK", "MAX_AUTH_FAILURES", "UNAUTHORIZED", "TlsConfig", "load_token", "token_matches"]
 
 
 @dataclass
@@ -32,16 +35,6 @@ class TlsConfig:
             ctx.load_verify_locations(self.client_ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
-
-
-def load_token(path: str) -> bytes:
-    """The shared secret: the file's first line, stripped. An empty file is an error."""
-    token = Path(path).read_bytes().splitlines()[0].strip() if Path(path).stat().st_size else b""
-    if not token:
-        raise ValueError(f"{path} holds no token")
-    if b" " in token or len(token) > 200:
-        raise ValueError(f"{path}: the token must be one word of at most 200 bytes")
-    return token
 
 
 def token_matches(expected: bytes, offered: bytes) -> bool:

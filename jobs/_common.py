@@ -1,8 +1,9 @@
 """Shared plumbing of the jobs in jobs/: a SparkSession, progress printing, small helpers.
 
 Each job is runnable as ``python jobs/X.py ...`` and ``spark-submit jobs/X.py ...``; both
-put this directory first on ``sys.path``, so ``import _common`` works. Each job's logic
-is a ``run(spark, ...)`` function, so the tests can call it with their one shared session.
+put this directory first on ``sys.path``, so ``import _common`` works. Each job's ``main``
+calls :func:`prepare_process` first; importing this module changes nothing. Each job's
+logic is a ``run(spark, ...)`` function, so the tests can call it with their one shared session.
 """
 from __future__ import annotations
 
@@ -11,22 +12,37 @@ import shutil
 import sys
 import time
 import warnings
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+    from rich.console import Console
+
+Progress = dict[str, Any]  # one StreamingQueryProgress as a dict
 
 JOBS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(JOBS_DIR)
 CONF_DIR = os.path.join(REPO_ROOT, "conf")
 SAMPLE_DATA = os.path.join(JOBS_DIR, "data", "events.jsonl")
 
-if REPO_ROOT not in sys.path:  # running from a checkout that is not pip-installed
-    sys.path.insert(1, REPO_ROOT)
-
-# pyspark 4.3 warns on every pandas/Arrow call that pandas 3 is "not yet fully supported";
-# the jobs use pandas only through Arrow batches, where it works. Keep the console readable
-# (here for the driver, through the environment for the Python workers Spark starts).
 _PANDAS_WARNING = "PySpark does not yet fully support pandas"
-warnings.filterwarnings("ignore", message=_PANDAS_WARNING, category=FutureWarning)
-os.environ.setdefault("PYTHONWARNINGS", f"ignore:{_PANDAS_WARNING}:FutureWarning")
+
+
+def prepare_process() -> None:
+    """Set up this Python process to run a job; each job's main calls it first.
+
+    Puts the repository on ``sys.path`` (a checkout that is not pip-installed), and hides
+    the warning pyspark 4.3 gives on every pandas/Arrow call under pandas 3 ("not yet fully
+    supported"; the jobs use pandas only through Arrow batches, where it works): in this
+    driver, and through PYTHONWARNINGS in the Python workers Spark starts. Explicit, not at
+    import, so that importing this module (as the tests do) changes no process state.
+    """
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(1, REPO_ROOT)
+    warnings.filterwarnings("ignore", message=_PANDAS_WARNING, category=FutureWarning)
+    os.environ.setdefault("PYTHONWARNINGS", f"ignore:{_PANDAS_WARNING}:FutureWarning")
 
 
 def under_spark_submit() -> bool:
@@ -34,7 +50,7 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def get_session(app_name: str, master: str | None = None, **conf: str):
+def get_session(app_name: str, master: str | None = None, **conf: str) -> SparkSession:
     """The job's SparkSession.
 
     With ``python jobs/X.py`` Spark is started here: local[2] (or ``master``), with
@@ -65,7 +81,7 @@ def get_session(app_name: str, master: str | None = None, **conf: str):
     return _register(get_spark(app_name, master=master or "local[2]", **conf))
 
 
-def _register(spark):
+def _register(spark: SparkSession) -> SparkSession:
     """Register the "beanstalk" format explicitly too.
 
     pyspark finds it on its own through the pyspark_beanstalk module; registering it here
@@ -94,8 +110,8 @@ def fmt_duration(ms: float | int | None) -> str:
     return f"{ms / 1000:.2f}s" if ms >= 1000 else f"{int(ms)}ms"
 
 
-def watch_query(query, describe: Callable[[dict], str] | None = None, poll: float = 0.25,
-                timeout: float | None = None, label: str | None = None) -> list[dict]:
+def watch_query(query: StreamingQuery, describe: Callable[[Progress], str] | None = None, poll: float = 0.25,
+                timeout: float | None = None, label: str | None = None) -> list[Progress]:
     """Print one line per finished micro-batch until the query ends; return all progress dicts.
 
     Raises the query's exception if it failed, TimeoutError if `timeout` passes first
@@ -103,13 +119,13 @@ def watch_query(query, describe: Callable[[dict], str] | None = None, poll: floa
     """
     label = label or query.name or "query"
     seen = -1
-    progress: list[dict] = []
+    progress: list[Progress] = []
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def drain() -> None:
         nonlocal seen
-        for p in query.recentProgress:
-            p = p if isinstance(p, dict) else p.jsonValue() if hasattr(p, "jsonValue") else dict(p)
+        for item in query.recentProgress:
+            p: Progress = item if isinstance(item, dict) else item.jsonValue()
             if p.get("batchId", -1) <= seen:
                 continue
             seen = p["batchId"]
@@ -131,7 +147,7 @@ def watch_query(query, describe: Callable[[dict], str] | None = None, poll: floa
             say(line)
 
     while query.isActive:
-        query.awaitTermination(poll)
+        query.awaitTermination(poll)  # type: ignore[arg-type]  # typed int, takes float seconds
         drain()
         if deadline is not None and time.monotonic() > deadline and query.isActive:
             query.stop()
@@ -144,16 +160,16 @@ def watch_query(query, describe: Callable[[dict], str] | None = None, poll: floa
     return progress
 
 
-def watch_queries(watched: list[tuple[str, object, Callable[[dict], str] | None]],
-                  timeout: float | None) -> dict[str, list]:
+def watch_queries(watched: list[tuple[str, StreamingQuery, Callable[[Progress], str] | None]],
+                  timeout: float | None) -> dict[str, list[Progress]]:
     """Continuous mode: print each query's batches (one thread each) until Ctrl-C, the
     timeout, or a query fails; then stop them all. Returns each query's progress list."""
     import threading
 
-    results: dict[str, list] = {}
+    results: dict[str, list[Progress]] = {}
     errors: list[BaseException] = []
 
-    def watch(name, query, describe):
+    def watch(name: str, query: StreamingQuery, describe: Callable[[Progress], str] | None) -> None:
         try:
             results[name] = watch_query(query, describe, label=name)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
@@ -181,7 +197,7 @@ def watch_queries(watched: list[tuple[str, object, Callable[[dict], str] | None]
     return results
 
 
-def source_counters(progress: dict) -> dict:
+def source_counters(progress: Progress) -> dict[str, Any]:
     """The beanstalk source's counters (reportLatestOffset) from a progress dict, if present."""
     for source in progress.get("sources") or []:
         latest = source.get("latestOffset")
@@ -208,7 +224,7 @@ def clear_dir(path: str, must_contain: Iterable[str] = ()) -> None:
     shutil.rmtree(path)
 
 
-def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict]:
+def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict[str, int]]:
     """stats-tube of each tube summed over the brokers in `hosts` (missing tubes count 0)."""
     from spark_beanstalk.client import Connection, parse_hosts
 
@@ -224,15 +240,7 @@ def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict]:
     return result
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-def console():
+def console() -> Console:
     """A rich Console; when output is not a terminal (piped, captured), 110 columns instead of 80."""
     from rich.console import Console
 

@@ -35,8 +35,7 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401 (imported for its side effect: puts the repo on sys.path when not installed)
-from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
+from _common import get_session, prepare_process, say, source_counters, tube_counts, watch_queries, watch_query
 
 VAT = {"DE": 0.19, "FR": 0.20, "NL": 0.21, "ES": 0.21, "IT": 0.22, "PL": 0.23, "SE": 0.25, "AT": 0.20,
        "BE": 0.21, "IE": 0.23}
@@ -234,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()
     args = parse_args(argv)
     spark = get_session("spark-beanstalk-chained-workers", **{"spark.sql.session.timeZone": "UTC"})
     try:

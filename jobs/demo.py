@@ -23,7 +23,7 @@ import sys
 import time
 
 import _common
-from _common import get_session, say
+from _common import get_session, prepare_process, say
 
 DEMO_TUBE = "events"
 DEAD_LETTER_TUBE = "events.dead"
@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()
     args = parse_args(argv)
     started = time.monotonic()
     ensure_sample_data(args.data)

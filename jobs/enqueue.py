@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 
-import _common  # noqa: F401  (puts the repo on sys.path when not installed)
-from _common import get_session
+import _common
+from _common import get_session, prepare_process
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".txt": "text"}
@@ -199,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()
     args = parse_args(argv)
     if not os.path.exists(args.path):
         raise SystemExit(f"no such file: {args.path}")

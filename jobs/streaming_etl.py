@@ -33,8 +33,7 @@ import os
 import sys
 import time
 
-import _common  # noqa: F401 (imported for its side effect: puts the repo on sys.path when not installed)
-from _common import get_session, say, source_counters, tube_counts, watch_queries, watch_query
+from _common import get_session, prepare_process, say, source_counters, tube_counts, watch_queries, watch_query
 
 EVENT_TYPES = ("page_view", "add_to_cart", "remove_from_cart", "purchase", "refund")
 MONEY_EVENTS = ("add_to_cart", "remove_from_cart", "purchase", "refund")
@@ -342,6 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()
     args = parse_args(argv)
     spark = get_session("spark-beanstalk-streaming-etl", **{"spark.sql.session.timeZone": "UTC"})
     try:

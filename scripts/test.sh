@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install everything the test suite needs, then run it. README's second command; .ci/run runs exactly this.
+# Install everything the test suite needs, run the lint gate (scripts/lint.sh: ruff, mypy --strict),
+# then the suite. README's second command; .ci/run runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v beanstalkd >/dev/null 2>&1; then
@@ -23,4 +24,5 @@ if ! command -v java >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
+bash scripts/lint.sh  # ruff + mypy --strict over the gated paths; an error stops the run here
 exec python3 -m pytest -m "not slow" -p no:cacheprovider "$@"

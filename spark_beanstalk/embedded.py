@@ -13,8 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
@@ -23,21 +25,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
+def wait_until(predicate: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05, *,
+               retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """Poll `predicate` until it returns something truthy and return that; TimeoutError after `timeout` s.
 
     The one polling helper of tests, jobs and benchmarks: a condition is polled, never slept for.
+    Exceptions of the `retry_on` types count as "not yet" (a server still coming up refuses
+    connections); the last one is named in the TimeoutError.
     """
     deadline = time.monotonic() + timeout
+    last: BaseException | None = None
     while True:
-        value = predicate()
-        if value:
-            return value
+        try:
+            value = predicate()
+        except retry_on as exc:
+            last = exc
+        else:
+            if value:
+                return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}"
+                               + (f" (last error: {last!r})" if last is not None else ""))
         time.sleep(interval)
 
 
@@ -45,19 +57,17 @@ class ServerExitedEarly(RuntimeError):
     """The server process ended before it accepted a connection (a port taken, a bad flag)."""
 
 
-def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll until a TCP connect succeeds; fail early if the process died."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll until a TCP connect succeeds; ServerExitedEarly at once if the process died."""
+
+    def listening() -> bool:
         if proc is not None and proc.poll() is not None:
-            raise ServerExitedEarly(f"server process exited with code {proc.returncode} before listening on {host}:{port}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.1f}s")
-            time.sleep(0.02)
+            raise ServerExitedEarly(
+                f"server process exited with code {proc.returncode} before listening on {host}:{port}")
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+
+    wait_until(listening, timeout, f"a listener on {host}:{port}", interval=0.02, retry_on=(OSError,))
 
 
 @dataclass
@@ -67,12 +77,14 @@ class ServerProcess:
     argv: list[str]
     host: str
     port: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None
     stderr_path: str | None = None
-    _stderr_file: object = field(default=None, repr=False)
+    _stderr_file: IO[bytes] | None = field(default=None, repr=False)
     port_chosen: bool = False  # the port came from free_port(): start() may move to another
     repl_address: str = ""  # a replicated member's --replication-listen (member_process)
+    preexec: Callable[[], None] | None = None  # run in the child before exec (e.g. lower RLIMIT_NOFILE)
+    kind: str = ""  # "ours" / "beanstalkd" for the parametrized fixtures
 
     @property
     def address(self) -> str:
@@ -83,7 +95,7 @@ class ServerProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 15.0) -> "ServerProcess":
+    def start(self, timeout: float = 15.0) -> ServerProcess:
         """Start and wait until it accepts connections.
 
         A port from free_port() can be taken by someone else before the server binds it
@@ -101,18 +113,24 @@ class ServerProcess:
                 self.port = new
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout: float) -> "ServerProcess":
-        stderr = subprocess.DEVNULL
+    def _start_once(self, timeout: float) -> ServerProcess:
+        out: IO[bytes] | int = subprocess.DEVNULL
         if self.stderr_path:
-            self._stderr_file = open(self.stderr_path, "ab")
-            stderr = self._stderr_file
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=self.env)
+            self._stderr_file = out = open(self.stderr_path, "ab")  # noqa: SIM115 (open while the child runs)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env,
+                                     preexec_fn=self.preexec)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except BaseException:
             self.kill()
             raise
         return self
+
+    def log(self) -> str:
+        """What the server wrote to stderr_path so far ("" without one)."""
+        if self._stderr_file is not None:
+            self._stderr_file.flush()
+        return Path(self.stderr_path).read_text(errors="replace") if self.stderr_path else ""
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -144,14 +162,15 @@ class ServerProcess:
             self._stderr_file.close()
             self._stderr_file = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self if self.proc is not None else self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def broker_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (), **kw) -> ServerProcess:
+def broker_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
+                   **kw: Any) -> ServerProcess:
     """Our broker (`python -m broker`) as a child process; call .start()."""
     chosen = port is None
     port = port or free_port(host)
@@ -161,10 +180,14 @@ def broker_process(port: int | None = None, host: str = "127.0.0.1", extra_args:
 
 def beanstalkd_binary() -> str | None:
     """Path of the real beanstalkd, if installed."""
-    return shutil.which("beanstalkd") or (os.path.exists("/usr/bin/beanstalkd") and "/usr/bin/beanstalkd") or None
+    found = shutil.which("beanstalkd")
+    if found is None and os.path.exists("/usr/bin/beanstalkd"):
+        found = "/usr/bin/beanstalkd"
+    return found
 
 
-def beanstalkd_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (), **kw) -> ServerProcess:
+def beanstalkd_process(port: int | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
+                       **kw: Any) -> ServerProcess:
     """Real beanstalkd 1.12 as a child process; call .start()."""
     binary = beanstalkd_binary()
     if binary is None:
@@ -175,10 +198,12 @@ def beanstalkd_process(port: int | None = None, host: str = "127.0.0.1", extra_a
     return ServerProcess(argv=argv, host=host, port=port, port_chosen=chosen, **kw)
 
 
-def start_server(kind: str, **kw) -> ServerProcess:
+def start_server(kind: str, **kw: Any) -> ServerProcess:
     """kind is 'ours' or 'beanstalkd'."""
     factory = {"ours": broker_process, "beanstalkd": beanstalkd_process}[kind]
-    return factory(**kw).start()
+    server = factory(**kw).start()
+    server.kind = kind
+    return server
 
 
 def etcd_binary() -> str | None:
@@ -203,7 +228,8 @@ def etcd_process(data_dir: str, host: str = "127.0.0.1", **kw: Any) -> ServerPro
 
 
 def member_process(binlog_dir: str, etcd: str | None = None, name: str | None = None, replica_of: str | None = None,
-                   sync_replicas: int = 0, lease_ttl: int = 1, extra_args: Sequence[str] = (), **kw: Any) -> ServerProcess:
+                   sync_replicas: int = 0, lease_ttl: int = 1, extra_args: Sequence[str] = (),
+                   **kw: Any) -> ServerProcess:
     """One member of a replicated broker (``-b`` plus replication flags); call .start().
 
     ``.repl_address`` is its replication listener (what ``--replica-of`` and promote/demote take).

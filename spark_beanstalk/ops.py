@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
+from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import (BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_hosts,
                                     parse_yaml)
 
@@ -94,15 +95,11 @@ class Target:
 
 
 def _read_token(path: str) -> str:
+    """--token-file, read by the rule the broker uses (beanstalk_rules.tokens)."""
     try:
-        with open(path, "rb") as fh:
-            lines = fh.read().splitlines()
-    except OSError as exc:
-        raise OpsError(f"cannot read --token-file {path}: {exc.strerror or exc}", exit_code=2) from None
-    token = lines[0].strip().decode("utf-8", "replace") if lines else ""
-    if not token:
-        raise OpsError(f"--token-file {path} is empty", exit_code=2)
-    return token
+        return read_token_text(path)
+    except ValueError as exc:
+        raise OpsError(f"--token-file: {exc}", exit_code=2) from None
 
 
 @contextlib.contextmanager

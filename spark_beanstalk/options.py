@@ -7,9 +7,12 @@ bad value raises ``OptionError`` naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any
 
+from beanstalk_rules.tokens import read_token_text
+from beanstalk_rules.tubes import tube_name_problem
 from spark_beanstalk.client import parse_hosts
 
 
@@ -88,20 +91,11 @@ def get_hosts(options: Mapping[str, str], key: str = "hosts",
         raise OptionError(f"option {key}: {exc}") from None
 
 
-TUBE_NAME_CHARS = frozenset(
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()"
-)
-
-
 def check_tube_name(name: str) -> None:
-    """beanstalkd's rule: 1-200 bytes of letters, digits and -+/;.$_(), not starting with '-'."""
-    if not 1 <= len(name.encode()) <= 200:
-        raise OptionError(f"tube name {name!r} must be 1-200 bytes long")
-    if name.startswith("-"):
-        raise OptionError(f"tube name {name!r} must not start with '-'")
-    bad = sorted(set(name) - TUBE_NAME_CHARS)
-    if bad:
-        raise OptionError(f"tube name {name!r} has characters beanstalkd does not allow: {''.join(bad)!r}")
+    """beanstalkd's tube-name rule (beanstalk_rules.tubes), failing as an OptionError."""
+    problem = tube_name_problem(name)
+    if problem is not None:
+        raise OptionError(problem)
 
 
 def get_tubes(options: Mapping[str, str], key: str = "tubes", default: str = "default") -> list[str]:
@@ -127,7 +121,7 @@ class Security:
     KEYS = ("tls", "caFile", "certFile", "keyFile", "authTokenFile")
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> "Security":
+    def parse(cls, options: Mapping[str, str]) -> Security:
         hosts_spec = str(_lower_keys(options).get("hosts") or "")
         tls = get_bool(options, "tls", "tls://" in hosts_spec)
         ca_file = get_str(options, "caFile", "") or None
@@ -142,22 +136,19 @@ class Security:
         token_file = get_str(options, "authTokenFile", "") or None
         if token_file:
             try:
-                lines = open(token_file, encoding="utf-8").read().split()
-            except OSError as exc:
-                raise OptionError(f"option authTokenFile={token_file!r}: {exc.strerror}") from None
-            if not lines:
-                raise OptionError(f"option authTokenFile={token_file!r} holds no token")
-            token = lines[0]
+                token = read_token_text(token_file)
+            except ValueError as exc:
+                raise OptionError(f"option authTokenFile: {exc}") from None
         return cls(tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file, auth_token=token)
 
-    def connect_kwargs(self) -> dict:
+    def connect_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for spark_beanstalk.client.Connection."""
         return {"tls": self.tls, "ca_file": self.ca_file, "certfile": self.cert_file, "keyfile": self.key_file,
                 "auth_token": self.auth_token}
 
 
 # --- Source options (spark.readStream.format("beanstalk")) -------------------------------
-# Owned by the source; see spark_beanstalk/source.py and docs/source.md (options table).
+# Read by the source; see spark_beanstalk/source.py and docs/source.md (options table).
 
 
 @dataclass(frozen=True)
@@ -184,7 +175,7 @@ class SourceOptions:
     ) + Security.KEYS
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> "SourceOptions":
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
         known = {k.lower() for k in cls.KEYS}
         unknown = sorted(str(k) for k in options if str(k).lower() not in known)
         if unknown:   # named as the user spelled them
@@ -226,7 +217,7 @@ class SourceOptions:
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
-# Owned by the writers; see spark_beanstalk/writer.py.
+# Read by the writers; see spark_beanstalk/writer.py.
 
 #: Spark conf prefix: ``spark.beanstalk.<option>`` sets a writer option's default.
 WRITER_CONF_PREFIX = "spark.beanstalk."
@@ -244,7 +235,7 @@ class WriterOptions:
     Precedence: explicit options > ``spark.beanstalk.<key>`` Spark conf > defaults below.
     """
 
-    hosts: tuple = (("127.0.0.1", 11300),)
+    hosts: tuple[tuple[str, int], ...] = (("127.0.0.1", 11300),)
     tube: str = "default"
     priority: int = 2**31
     delay: int = 0
@@ -283,7 +274,7 @@ class WriterOptions:
         return out
 
     @classmethod
-    def parse(cls, options: Mapping[str, str] | None, conf: Mapping[str, str] | None = None) -> "WriterOptions":
+    def parse(cls, options: Mapping[str, str] | None, conf: Mapping[str, str] | None = None) -> WriterOptions:
         """Validate writer options; ``conf`` (a Spark conf mapping) supplies defaults."""
         explicit = {str(k): ("" if v is None else str(v)) for k, v in (options or {}).items()}
         check_known({k: v for k, v in explicit.items() if k.lower() not in {p.lower() for p in _SPARK_PASSED_KEYS}},

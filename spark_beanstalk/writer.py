@@ -30,10 +30,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
 from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.options import (
     MAX_U32,
-    TUBE_NAME_CHARS,
     OptionError,
     WriterOptions,
 )
@@ -205,20 +205,6 @@ def row_json(row: Mapping) -> bytes:
         row = row.asDict(recursive=True)
     return json.dumps(row, separators=(",", ":"), ensure_ascii=False, default=_json_default,
                       allow_nan=True).encode("utf-8")
-
-
-def tube_problem(name) -> str | None:
-    """Why beanstalkd would refuse this tube name, or None."""
-    if not isinstance(name, str):
-        return f"tube {name!r} is not a string"
-    if not 1 <= len(name.encode("utf-8")) <= 200:
-        return f"bad tube name {name!r}: must be 1-200 bytes"
-    if name.startswith("-"):
-        return f"bad tube name {name!r}: must not start with '-'"
-    bad = set(name) - TUBE_NAME_CHARS
-    if bad:
-        return f"bad tube name {name!r}: characters {''.join(sorted(bad))!r} are not allowed"
-    return None
 
 
 def _key_bytes(key) -> bytes:
@@ -450,7 +436,7 @@ class PartitionWriter:
                         reason = (f"JOB_TOO_BIG: body is {len(body)} bytes, the server's max-job-size "
                                   f"is {max_job_size}")
                     elif tube not in good_tubes:
-                        reason = tube_problem(tube)
+                        reason = tube_name_problem(tube)
                         if reason is None:
                             good_tubes.add(tube)
                     if reason is None:
@@ -667,7 +653,7 @@ def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str
     else:
         target = ",".join(opts.host_names()) + "|" + opts.tube
         base = f"{writer_id}.{zlib.crc32(target.encode()):08x}"
-    if len(base) > 150 or set(base) - TUBE_NAME_CHARS:
+    if len(base) > 150 or set(base) - NAME_CHARS:
         base = hashlib.sha1(base.encode()).hexdigest()
     return base
 

@@ -5,6 +5,10 @@ in `spark_beanstalk.embedded` so that jobs/ and bench/ share them too.
 """
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+
 from spark_beanstalk.embedded import (
     ServerExitedEarly,
     ServerProcess,
@@ -41,12 +45,9 @@ class TcpProxy:
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
-        import socket
-        import threading
-
         self.target = (target_host, target_port)
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        self.port: int = self.listener.getsockname()[1]
         self.open = True
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -58,9 +59,6 @@ class TcpProxy:
         return f"127.0.0.1:{self.port}"
 
     def _accept(self) -> None:
-        import socket
-        import threading
-
         while not self._stopped:
             try:
                 client, _ = self.listener.accept()
@@ -79,7 +77,7 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    def _pump(self, src, dst) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
                 data = src.recv(65536)
@@ -90,22 +88,16 @@ class TcpProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
 
     def cut(self) -> None:
-        import socket
-
         self.open = False
         with self._lock:
             socks, self._socks = self._socks, []
         for s in socks:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def restore(self) -> None:

@@ -276,7 +276,7 @@ def test_delete_records_outlive_the_puts_they_cancel(tmp_path):
 
 
 def test_fsync_thread_syncs_within_the_interval(tmp_path):
-    from test_binlog_helpers import wait_until
+    from tests.helpers import wait_until
     h = Harness(str(tmp_path), fsync_ms=20)
     assert h.log._thread is not None and h.log._thread.is_alive()
     h.put(b"a")

@@ -115,14 +115,3 @@ def job_snapshot(conn: Connection, ids) -> dict[int, dict | None]:
                        "kicks": y["kicks"], "timeouts": y["timeouts"], "reserves": y["reserves"],
                        "time-left": y["time-left"], "age": y["age"]}
     return out
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(interval)

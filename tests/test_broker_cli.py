@@ -6,18 +6,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
 from spark_beanstalk.client import Connection
-from spark_beanstalk.embedded import ServerProcess, broker_process, free_port
+from tests.helpers import ServerProcess, broker_process, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _wait_exit(proc: subprocess.Popen, timeout: float = 15) -> int:
-    return proc.wait(timeout)
 
 
 def test_help_lists_beanstalkd_flags():
@@ -37,7 +33,7 @@ def test_sigterm_stops_cleanly_and_sigint_too():
     for signum in (signal.SIGTERM, signal.SIGINT):
         server = broker_process().start()
         server.signal(signum)
-        assert _wait_exit(server.proc) == 0
+        assert server.proc is not None and server.proc.wait(15) == 0
 
 
 def test_sigusr1_enters_drain_mode():
@@ -46,10 +42,7 @@ def test_sigusr1_enters_drain_mode():
         with Connection(server.host, server.port) as conn:
             assert conn.put(b"before") == 1
             server.signal(signal.SIGUSR1)
-            deadline = time.monotonic() + 10
-            while conn.stats()["draining"] != "true":
-                assert time.monotonic() < deadline, "drain mode never reported"
-                time.sleep(0.02)
+            wait_until(lambda: conn.stats()["draining"] == "true", 10, "drain mode in stats")
             reply = conn.call("put 0 0 10 1", b"x")
             assert reply.status == b"DRAINING"
             assert conn.reserve(0).body == b"before"  # reads still work
@@ -62,7 +55,7 @@ def test_default_listen_is_loopback_only():
     server = ServerProcess(argv=[sys.executable, "-m", "broker", "-p", str(port)], host="127.0.0.1", port=port).start()
     try:
         # /proc/net/tcp: local address column, hex; state 0A = LISTEN; 0100007F = 127.0.0.1
-        rows = [r.split() for r in open("/proc/net/tcp").read().splitlines()[1:]]
+        rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
         listening = [r[1] for r in rows if r[3] == "0A" and r[1].endswith(f":{port:04X}")]
         assert listening == [f"0100007F:{port:04X}"]
     finally:
@@ -73,18 +66,12 @@ def test_unix_socket_listener(tmp_path):
     path = tmp_path / "broker.sock"
     proc = subprocess.Popen([sys.executable, "-m", "broker", "-l", f"unix:{path}"])
     try:
-        deadline = time.monotonic() + 15
-        while not path.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: proc.poll() is not None or path.exists(), 15, "the unix socket file")
+        assert proc.poll() is None, "the broker exited before creating its socket"
         sock = socket.socket(socket.AF_UNIX)
         sock.settimeout(5)
-        for _ in range(200):
-            try:
-                sock.connect(str(path))
-                break
-            except (ConnectionRefusedError, FileNotFoundError):
-                time.sleep(0.02)
+        wait_until(lambda: sock.connect(str(path)) is None, 5, "a connection on the unix socket",
+                   retry_on=(ConnectionRefusedError, FileNotFoundError))
         sock.sendall(b"put 0 0 10 2\r\nhi\r\nreserve\r\n")
         data = b""
         while data.count(b"\r\n") < 3:
@@ -155,7 +142,7 @@ def test_verbose_logs_connections():
             conn.stats()
     finally:
         server.stop()
-    text = open(log_path).read()
+    text = Path(log_path).read_text()
     os.unlink(log_path)
     lines = [dict(field.split("=", 1) for field in line.split(" ") if "=" in field) for line in text.splitlines()]
     events = {line.get("event"): line for line in lines}

@@ -232,7 +232,8 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
             leader.start()  # same directory and ports: it must come back as a replica
             new = wait_until(lambda: _one_leader(members), 10, what="one leader after the restart")
             assert new is not leader
-            wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15, what="the old leader rejoined and caught up")
+            wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15,
+                       what="the old leader rejoined and caught up")
     finally:
         stop.set()
         for w in workers:
@@ -252,7 +253,8 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
         json.dump({"failover_seconds": times, "acked_puts": len(ledger.puts), "acked_deletes": len(ledger.deleted),
                    "unanswered_deletes": len(ledger.unsure)}, fh)
     print(f"\nfailover seconds (kill -> first acknowledged put): {[round(t, 2) for t in times]}; "
-          f"{len(ledger.puts)} puts and {len(ledger.deleted)} deletes acknowledged, {len(ledger.unsure)} deletes unanswered")
+          f"{len(ledger.puts)} puts and {len(ledger.deleted)} deletes acknowledged, "
+          f"{len(ledger.unsure)} deletes unanswered")
     assert len(ledger.puts) > 300 and len(ledger.deleted) > 100
     assert len(set(ledger.ids)) == len(ledger.ids), "a job id was acknowledged twice"
     assert len(set(ids)) == len(ids)

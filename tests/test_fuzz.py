@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spark_beanstalk.client import Connection, parse_yaml
-from spark_beanstalk.embedded import start_server
+from tests.helpers import start_server, wait_until
 
 KNOWN_STATUSES = {
     b"INSERTED", b"BURIED", b"RESERVED", b"FOUND", b"OK", b"USING", b"WATCHING", b"DELETED",
@@ -183,17 +183,6 @@ def read_to_eof(sock: socket.socket, timeout: float) -> tuple[bytes, bool]:
         out += chunk
 
 
-def wait_until(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return value
-        time.sleep(0.01)
-
-
 def assert_healthy(proc) -> None:
     """A fresh connection gets correct answers and no fuzz connection is left counted."""
     assert proc.proc.poll() is None, f"broker process died (exit code {proc.proc.returncode})"
@@ -217,7 +206,7 @@ def assert_healthy(proc) -> None:
                 assert key in parsed, f"stats lost key {key}"
             return parsed
 
-        final = wait_until(lambda: (s := stats())["current-connections"] == 1 and s)
+        final = wait_until(lambda: (s := stats())["current-connections"] == 1 and s, 5.0, "fuzz connections to close")
         assert final, f"fuzz connections still counted: {stats()['current-connections']}"
         assert final["current-waiting"] == 0
 

@@ -11,6 +11,8 @@ import time
 import greenstalk
 import pytest
 
+from tests.helpers import wait_until
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -33,18 +35,6 @@ def make_client(server):
     yield make
     for c in made:
         c.close()
-
-
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    """Poll a condition (never a bare sleep standing in for synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(interval)
 
 
 def test_put_reserve_delete(client):
@@ -109,7 +99,7 @@ def test_blocking_reserve_woken_by_put_from_other_client(make_client):
     t = threading.Thread(target=lambda: got.append(worker.reserve(timeout=10)))
     t.start()
     try:
-        wait_for(lambda: producer.stats_tube("wake")["current-waiting"] == 1)
+        wait_until(lambda: producer.stats_tube("wake")["current-waiting"] == 1, 5.0, "the reserve to wait")
         job_id = producer.put("for the waiter")
     finally:
         t.join(15)
@@ -317,7 +307,7 @@ def test_stats(client, make_client):
     assert after["current-jobs-urgent"] == 1
     assert after["current-producers"] == 1
     other.close()
-    wait_for(lambda: client.stats()["current-connections"] == 1)
+    wait_until(lambda: client.stats()["current-connections"] == 1, 5.0, "the other connections to close")
 
 
 def test_stats_tube(client):

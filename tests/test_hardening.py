@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import functools
 import inspect
 import os
 import resource
@@ -28,13 +29,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from spark_beanstalk.embedded import ServerProcess, beanstalkd_binary, beanstalkd_process, free_port, wait_for_port
+from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process, wait_for_port
+from tests.helpers import ServerProcess, broker_process, free_port, wait_until
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -50,30 +50,7 @@ BIG = 65535  # default max job size
 # ----------------------------------------------------------------------------------------
 # process and socket helpers
 # ----------------------------------------------------------------------------------------
-@dataclass
-class Proc(ServerProcess):
-    """ServerProcess with an optional preexec_fn (to lower RLIMIT_NOFILE in the child)."""
-
-    preexec: Callable[[], None] | None = None
-
-    def start(self, timeout: float = 20.0) -> "Proc":
-        out = subprocess.DEVNULL
-        if self.stderr_path:
-            self._stderr_file = open(self.stderr_path, "ab")
-            out = self._stderr_file
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env,
-                                     preexec_fn=self.preexec)
-        try:
-            wait_for_port(self.host, self.port, timeout, self.proc)
-        except BaseException:
-            self.kill()
-            raise
-        return self
-
-    def log(self) -> str:
-        if self._stderr_file is not None:
-            self._stderr_file.flush()
-        return Path(self.stderr_path).read_text(errors="replace") if self.stderr_path else ""
+Proc = ServerProcess  # the shared one: preexec, log() and the port retry included
 
 
 @pytest.fixture
@@ -82,10 +59,8 @@ def start_broker(tmp_path):
     started: list[Proc] = []
 
     def start(*args: str, preexec=None, port: int | None = None) -> Proc:
-        port = port or free_port()
-        proc = Proc(argv=[sys.executable, "-m", "broker", "-l", "127.0.0.1", "-p", str(port), *args],
-                    host="127.0.0.1", port=port, stderr_path=str(tmp_path / f"broker{len(started)}.log"),
-                    preexec=preexec)
+        proc = broker_process(port, extra_args=args, stderr_path=str(tmp_path / f"broker{len(started)}.log"),
+                              preexec=preexec)
         started.append(proc)
         try:
             proc.start()
@@ -102,20 +77,8 @@ def start_broker(tmp_path):
     assert not crashed, "\n".join(crashed)
 
 
-def poll(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
-    """Call cond() until it returns something truthy; fail with `what` after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while True:
-        try:
-            value = cond()
-            if value:
-                return value
-        except (AssertionError, OSError, EOFError) as exc:
-            last_exc = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for: {what}" + (f" ({last_exc})" if last_exc else ""))
-        time.sleep(interval)
+# a connection may fail while the broker settles: those errors mean "not yet"
+poll = functools.partial(wait_until, interval=0.02, retry_on=(AssertionError, OSError, EOFError))
 
 
 class Raw:

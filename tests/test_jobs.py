@@ -14,8 +14,9 @@ import subprocess
 import sys
 import tomllib
 from collections import defaultdict
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ if JOBS not in sys.path:
 
 EVENT_TYPES = ("page_view", "add_to_cart", "remove_from_cart", "purchase", "refund")
 MONEY = ("add_to_cart", "remove_from_cart", "purchase", "refund")
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # --- independent expectations from the sample file ----------------------------------------------
@@ -47,7 +48,7 @@ def _parse_time(text):
             dt = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z")
         except ValueError:
             return None
-    return dt.astimezone(timezone.utc)
+    return dt.astimezone(UTC)
 
 
 def _is_money(value) -> bool:
@@ -102,7 +103,7 @@ def test_broker_toml_documents_every_flag_and_changes_nothing(broker):
     with open(os.path.join(CONF, "broker.toml"), "rb") as fh:
         active = tomllib.load(fh)
     assert active["listen"] == "127.0.0.1" and active["port"] == 11300
-    text = open(os.path.join(CONF, "broker.toml")).read()
+    text = Path(CONF, "broker.toml").read_text()
     flags = {p.name for p in broker_command.params if p.name not in ("help", "config", "version")}
     keys = {"binlog_size": "binlog_segment_size", "binlog_ignore_damage": "--binlog-ignore-damage"}
     for name in flags:
@@ -129,14 +130,14 @@ def test_broker_toml_documents_every_flag_and_changes_nothing(broker):
 
 def test_spark_conf_files_are_well_formed():
     entries = {}
-    for line in open(os.path.join(CONF, "spark-defaults.conf")):
+    for line in Path(CONF, "spark-defaults.conf").read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             key, value = line.split(None, 1)
             entries[key] = value
     assert entries["spark.master"] == "local[2]"
     assert all(k.startswith("spark.") for k in entries)
-    log4j = dict(line.split(" = ", 1) for line in open(os.path.join(CONF, "log4j2.properties")).read().splitlines()
+    log4j = dict(line.split(" = ", 1) for line in Path(CONF, "log4j2.properties").read_text().splitlines()
                  if " = " in line and not line.startswith("#"))
     assert log4j["rootLogger.level"] == "warn"
     assert os.path.exists(os.path.join(CONF, "connector.md"))
@@ -156,7 +157,7 @@ def test_sample_data_is_deterministic_and_shipped(tmp_path):
 
     out = tmp_path / "events.jsonl"
     assert make_sample_data.main(["--out", str(out)]) == 0
-    assert out.read_bytes() == open(SAMPLE, "rb").read()
+    assert out.read_bytes() == Path(SAMPLE).read_bytes()
     manifest = json.loads((tmp_path / "events.manifest.json").read_text())
     lines = out.read_text().splitlines()
     good, bad = sample_expectations(lines)
@@ -172,14 +173,13 @@ def test_sample_data_is_deterministic_and_shipped(tmp_path):
 @pytest.mark.spark
 @pytest.mark.timeout(600)
 def test_demo_path_end_to_end(spark, broker, tmp_path):
+    import demo
     from chispa import assert_df_equality
     from pyspark.sql import functions as F
 
-    import demo
-
     out = str(tmp_path / "demo")
     summary = demo.run(spark, broker.address, out, max_jobs_per_trigger=2000)  # two micro-batches
-    lines = open(SAMPLE).read().splitlines()
+    lines = Path(SAMPLE).read_text().splitlines()
     good, bad = sample_expectations(lines)
 
     # enqueue put every line, the ETL drained the tube and accounted for every job
@@ -297,7 +297,7 @@ def test_enqueue_command_line_missing_file(broker, tmp_path):
 def test_chained_workers_hand_off(spark, broker, tmp_path):
     import chained_workers
 
-    lines = open(SAMPLE).read().splitlines()[:600]
+    lines = Path(SAMPLE).read_text().splitlines()[:600]
     lines.append("this is not json")
     good, bad = sample_expectations(lines)
     purchases = {e["event_id"]: e for e in good if e["event_type"] == "purchase"}

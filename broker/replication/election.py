@@ -24,6 +24,7 @@ replica exists while one of the N that acknowledged survives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -114,10 +115,8 @@ class EtcdLeadership:
     async def _drop_lease(self) -> None:
         lease, self.lease = self.lease, 0
         if lease:
-            try:
+            with contextlib.suppress(EtcdError):  # unreachable: it expires by itself
                 await self.etcd.revoke(lease)
-            except EtcdError:
-                pass  # unreachable: it expires by itself
 
     # -- one poll --------------------------------------------------------------------------
     async def _step(self) -> None:
@@ -186,8 +185,8 @@ class EtcdLeadership:
             state = await member.ask_role(str(info.get("repl", "")), ASK_TIMEOUT)
             if state is None:
                 return  # a live member we cannot ask: decide nothing without it (next poll asks again)
-            if state.role == "leader" or (state.candidate and (
-                    other == wanted or (wanted != name and (state.epoch, state.seq, other) > (pos.epoch, pos.seq, name)))):
+            ahead = (state.epoch, state.seq, other) > (pos.epoch, pos.seq, name)
+            if state.role == "leader" or (state.candidate and (other == wanted or (wanted != name and ahead))):
                 await self._await_leader()
                 return
         epoch = await self.etcd.create(self.k_leader, self.me, self.lease)

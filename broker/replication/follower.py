@@ -169,7 +169,8 @@ class Follower:
                 await self._session()
             except Exception as exc:  # noqa: BLE001  (any failure: log it, reconnect, ask again from our position)
                 if str(exc) != self.last_error:
-                    logs.event(log, logging.WARNING, "replication-stream", f"{self.target.host}:{self.target.port}: {exc}")
+                    where = f"{self.target.host}:{self.target.port}"
+                    logs.event(log, logging.WARNING, "replication-stream", f"{where}: {exc}")
                 self.last_error = str(exc)
             finally:
                 self.connected = False

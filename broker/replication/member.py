@@ -293,7 +293,7 @@ class Member:
                 await writer.drain()
             else:
                 writer.write(p.UNKNOWN_COMMAND)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
             writer.close()
@@ -342,7 +342,7 @@ class Member:
             ssl_ctx = self._client_ssl()
             reader, writer = await asyncio.wait_for(asyncio.open_connection(
                 host, port, ssl=ssl_ctx, server_hostname=host if ssl_ctx is not None else None), timeout)
-        except (OSError, ValueError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, ValueError):
             return None
         try:
             if self.config.token is not None:
@@ -355,7 +355,7 @@ class Member:
             if len(words) != 5 or words[0] != b"OK":
                 return None
             return RoleState(words[1].decode(), int(words[2]), int(words[3]), words[4] == b"1")
-        except (OSError, ValueError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, ValueError):
             return None
         finally:
             writer.close()

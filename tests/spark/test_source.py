@@ -15,9 +15,9 @@ import time
 import pytest
 
 from spark_beanstalk.client import Connection, encode_put
-from spark_beanstalk.embedded import free_port
 from spark_beanstalk.options import OptionError, SourceOptions
 from spark_beanstalk.source import decode_ranges, encode_ranges, make_offset
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -26,17 +26,6 @@ from chispa import assert_df_equality  # noqa: E402
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def wait_until(cond, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
 
 def put_jobs(conn: Connection, tube: str, bodies, ttr: int = 60, pri: int = 100) -> list[int]:
     conn.use(tube)

@@ -18,6 +18,7 @@ from spark_beanstalk.writer import (
     marker_namespace,
     marker_tube,
 )
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
 
@@ -204,14 +205,6 @@ def put_opts(put):
     return WriterOptions.parse(put._options)
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_data_source_stream_writer(spark, server, tmp_path):
     stream = (spark.readStream.format("rate").option("rowsPerSecond", 400).option("numPartitions", 2).load()
               .selectExpr("cast(value as string) as body", "'sw' as tube"))
@@ -219,7 +212,7 @@ def test_data_source_stream_writer(spark, server, tmp_path):
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="500 milliseconds").start())
     try:
         # a progress event comes after the batch's sink commit
-        _wait(lambda: sum(p["numInputRows"] for p in q.recentProgress) >= 300, 90, "300 rows through the sink")
+        wait_until(lambda: sum(p["numInputRows"] for p in q.recentProgress) >= 300, 90, "300 rows through the sink")
         done = sum(p["numInputRows"] for p in q.recentProgress)
         batch = max(p["batchId"] for p in q.recentProgress if p["numInputRows"])
     finally:

@@ -191,8 +191,17 @@ def etcd(tmp_path):
     proc.stop()
 
 
-def _start_cluster(tmp_path, endpoints: list[str], sync: int = 1, ttl: int = 1) -> list:
-    members = []
+@pytest.fixture
+def started():
+    """Every member a test starts, stopped at teardown even when the test fails."""
+    procs: list = []
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def _start_cluster(tmp_path, started: list, endpoints: list[str], sync: int = 1, ttl: int = 1) -> list:
+    members = started
     for n, endpoint in enumerate(endpoints):
         m = member_process(str(tmp_path / f"m{n}"), etcd=f"http://{endpoint}", name=f"m{n}", sync_replicas=sync,
                            lease_ttl=ttl, stderr_path=str(tmp_path / f"m{n}.log"))
@@ -204,8 +213,8 @@ def _start_cluster(tmp_path, endpoints: list[str], sync: int = 1, ttl: int = 1) 
     return members
 
 
-def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
-    members = _start_cluster(tmp_path, [etcd.address] * 3)
+def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd, started):
+    members = _start_cluster(tmp_path, started, [etcd.address] * 3)
     ledger = Ledger()
     stop = threading.Event()
     workers = [Worker(n, members, ledger, stop) for n in range(3)]
@@ -274,13 +283,11 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd):
     back = [b for b in ledger.deleted if b in bodies]
     assert not back, f"{len(back)} acknowledged deletes came back, e.g. {back[:5]}"
     assert max(times) < FAILOVER_LIMIT, times
-    for m in members:
-        m.stop()
 
 
-def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_path, etcd):
+def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_path, etcd, started):
     proxy = TcpProxy(etcd.host, etcd.port)
-    members = _start_cluster(tmp_path, [proxy.address, etcd.address, etcd.address], sync=0)
+    members = _start_cluster(tmp_path, started, [proxy.address, etcd.address, etcd.address], sync=0)
     old = members[0]
     acks: dict[str, list[float]] = {"old": [], "new": []}
     stop = threading.Event()
@@ -325,8 +332,6 @@ def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_pa
           f"its first ack at {first_new - t_cut:.2f}s")
     assert last_old < first_new, "two leaders acknowledged at once"
     assert last_old - t_cut < 1.5  # fenced within the lease (1 s), not after
-    for m in members:
-        m.stop()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -335,10 +340,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd):
+def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd, started):
     # a 2 s lease: on a loaded machine a 1 s one can lapse between keep-alives, and a put on a
     # fenced leader would be refused (correctly, but not what this test is about)
-    members = _start_cluster(tmp_path, [etcd.address] * 3, sync=1, ttl=2)
+    members = _start_cluster(tmp_path, started, [etcd.address] * 3, sync=1, ttl=2)
     first, target = members[0], members[2]
     conn = Connection(first.host, first.port, timeout=5)
     ids = [conn.put(b"p%d" % i) for i in range(100)]
@@ -356,5 +361,3 @@ def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd):
     assert done.returncode == 0, done.stderr
     new = wait_until(lambda: _one_leader(members), 10, what="a leader after demote")
     assert new is not target
-    for m in members:
-        m.stop()

@@ -17,11 +17,17 @@ import tomllib
 
 from broker import logs
 from broker import protocol as p
+from broker.connection import BrokerConnection
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
 from broker.queue import QueueListener
+from broker.replication.options import CONFIG_KEYS as REPLICATION_CONFIG_KEYS
+from broker.replication.options import (
+    build_member,
+    member_listener,
+    replication_options,
+)
 from broker.security import TlsConfig, load_token
 from broker.server import (
-    BrokerConnection,
     BrokerServer,
     ServerConfig,
     install_uvloop,
@@ -43,6 +49,7 @@ _CONFIG_KEYS = {
     "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca", "tls_port": "tls_port",
     "auth_token_file": "auth_token_file", "metrics": "metrics", "http": "metrics", "no_dashboard": "no_dashboard",
     "extended_stats": "extended_stats",
+    **REPLICATION_CONFIG_KEYS,
 }
 
 
@@ -121,6 +128,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
               help="With --http: serve only /metrics, /healthz and /readyz.")
 @click.option("--extended-stats", is_flag=True, default=False,
               help="Add our counters after beanstalkd's stats keys (on when any limit, TLS or auth is set).")
+@replication_options
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
                    fsync_ms: int, no_fsync: bool, binlog_size: int, max_connections: int, max_jobs: int,
                    max_job_bytes: int, max_tubes: int, max_reserved_per_connection: int, idle_timeout: float,
@@ -161,6 +169,12 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
     config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose, limits=limits,
                           tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened,
                           binlog_max_size=binlog_size)
+    # replication (broker.replication): a member wraps the binlog and hooks into the server
+    member = build_member(binlog_dir, listen, port, token, tls.server_context() if tls is not None else None)
+    if member is not None:
+        assert listener is not None
+        listener = member_listener(member, listener)
+        config.extended_stats = True
     install_uvloop()
 
     def ready(server: BrokerServer) -> None:
@@ -168,13 +182,15 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
             logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()))
 
     try:
-        asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard))
+        asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard,
+                           before_start=member.install if member is not None else None))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
 
 
 async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],
-                 http_sock: socket.socket | None, dashboard: bool) -> None:
+                 http_sock: socket.socket | None, dashboard: bool,
+                 before_start: Callable[[BrokerServer], None] | None = None) -> None:
     """run_server, plus the HTTP listener once the broker is up (stopped after it)."""
     listeners: list[HttpListener] = []
 
@@ -183,12 +199,12 @@ async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Ca
         if http_sock is not None:
             from broker.http import HttpListener
 
-            local = (lambda: BrokerConnection(server)) if dashboard else None
+            local = (lambda: BrokerConnection(server.state)) if dashboard else None
             listeners.append(HttpListener(server, http_sock, local))
             listeners[0].start_soon()
 
     try:
-        await run_server(config, listener, on_ready=on_ready)
+        await run_server(config, listener, on_ready=on_ready, before_start=before_start)
     finally:
         for item in listeners:
             await item.close()

@@ -310,6 +310,11 @@ class BrokerConnection(asyncio.Protocol):
         id commands in their own branch (the hot ones), the rest through _COUNTED_AS.
         """
         queue = self.queue
+        gate = self.state.write_gate  # replication: None unless this broker is a replicated member
+        if gate is not None and cmd[0] in gate.commands and type(cmd) is not p.PutLine:
+            refusal = gate.refuse(cmd[0])
+            if refusal is not None:
+                return refusal
         if type(cmd) is p.Put:  # first: the commonest, and the one counted differently
             _, pri, delay, ttr, body, header_seen = cmd
             if not header_seen:  # else its put-header was counted

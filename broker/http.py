@@ -53,6 +53,8 @@ class BrokerView(HasQueue, Protocol):
 
     def addresses(self) -> list[str]: ...
 
+    def is_leader(self) -> bool: ...
+
 
 class HttpAddressError(ValueError):
     """--http was not ADDR:PORT, or the port cannot be bound."""
@@ -105,6 +107,8 @@ async def readiness(server: BrokerView) -> list[str]:
     write_error = getattr(server.listener, "write_error", None)
     if isinstance(write_error, str):
         reasons.append(f"binlog cannot write: {write_error}")
+    if not server.is_leader():
+        reasons.append("not the leader of its replicated broker: changes are refused here")
     directory = getattr(server.listener, "dir", None)
     if isinstance(directory, str):
         problem = await asyncio.to_thread(_probe_write, directory)

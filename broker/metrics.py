@@ -22,11 +22,18 @@ from broker.limits import REASONS
 from broker.queue import Queue
 
 
+class Collector(Protocol):
+    def collect(self) -> Iterator[Metric]: ...
+
+
 class HasQueue(Protocol):
     """What the metrics read from the broker (broker.server.BrokerServer has it)."""
 
     @property
     def queue(self) -> Queue: ...
+
+    @property
+    def extra_collectors(self) -> list[Collector]: ...  # e.g. replication's
 
 
 class BrokerCollector:
@@ -72,4 +79,6 @@ def metrics_text(server: HasQueue) -> bytes:
     """The Prometheus text exposition of the broker's state now."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(server))
+    for extra in server.extra_collectors:
+        registry.register(extra)
     return generate_latest(registry)

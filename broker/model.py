@@ -134,6 +134,11 @@ class Job:
         self.rare: list[int] | None = None
         self.file = 0
 
+    def __lt__(self, other: Job) -> bool:
+        """Heap entries ``(key, id, job)`` tie only when a job is queued again under the key of its
+        own stale entry (replication apply re-creating a job a replayed record names): either order is right."""
+        return False
+
     def set_counters(self, counters: tuple[int, int, int, int, int]) -> None:
         """(reserves, timeouts, releases, buries, kicks), as a recovered job had them."""
         self.reserves = counters[0]

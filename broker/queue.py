@@ -718,3 +718,74 @@ class Queue:
         """Hand ready jobs to clients blocked in reserve, if any (after a bulk restore)."""
         if self.waiting_ct:
             self._process_queue(self.clock())
+
+    # -- replication apply (used by broker.replication.follower) ---------------------------------
+    # A replica changes its queue only through these, from the leader's log records; each tells
+    # the listener (the replica's own binlog) as a command would.
+    def apply_job(self, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes,
+                  state: int, deadline: int, created: int, counters: tuple[int, int, int, int, int]) -> None:
+        """A full job record: create the job, or (a compaction or snapshot copy) set its state."""
+        if job_id in self.jobs:
+            self.apply_state(job_id, state, pri, delay_ns, deadline, counters)
+            return
+        tube = self._tube(tube_name)
+        job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
+        job.set_counters(counters)
+        self.listener.job_put(job)  # may raise StorageFull: nothing was changed yet
+        tube.refs += 1
+        self.jobs[job_id] = job
+        self.held_bytes += len(body)
+        if job_id >= self.next_id:
+            self.next_id = job_id + 1
+        self._place(job, state, deadline)
+        if job.state == BURIED or job.reserves or job.rare is not None:
+            self.listener.job_updated(job)
+
+    def apply_state(self, job_id: int, state: int, pri: int, delay_ns: int, deadline: int,
+                    counters: tuple[int, int, int, int, int]) -> None:
+        """A job's new state (release, bury, kick, timeout, reserve on the leader); unknown ids are ignored."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        self._detach(job)
+        job.pri = pri
+        job.delay = delay_ns
+        job.rare = None
+        job.set_counters(counters)
+        self._place(job, state, deadline)
+        self.listener.job_updated(job)
+
+    def apply_delete(self, job_id: int) -> None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        self._detach(job)
+        tube = job.tube
+        tube.total_deletes += 1
+        job.state = INVALID
+        del self.jobs[job_id]
+        self.held_bytes -= len(job.body)
+        self.listener.job_deleted(job)
+        self._unref(tube)
+
+    def _place(self, job: Job, state: int, deadline: int) -> None:
+        """Queue an applied job in its state; reserved on the leader is ready here (as after a restart)."""
+        now = self.clock()
+        if state == BURIED:
+            self.restore_buried(job)  # the record's count already includes this bury
+        elif state == DELAYED and deadline > now:
+            self._enqueue(job, deadline - now, now)
+        else:
+            self._enqueue(job, 0, now)
+
+    def _detach(self, job: Job) -> None:
+        """Take a job out of whatever structure holds it (its state says which)."""
+        state = job.state
+        if state == READY:
+            self._remove_ready(job)
+        elif state == DELAYED:
+            self._remove_delayed(job)
+        elif state == BURIED:
+            self._remove_buried(job)
+        elif state == RESERVED and job.reserver is not None:
+            self._unreserve(job.reserver, job)

@@ -15,12 +15,15 @@ import resource
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker import logs
 from broker.connection import BrokerConnection
 from broker.queue import Queue, QueueListener
 from broker.state import LoopTimer, ServerConfig, ServerState
+
+if TYPE_CHECKING:
+    from broker.metrics import Collector
 
 __all__ = ["BrokerServer", "ServerConfig", "install_uvloop", "run_server", "tune_gc"]
 
@@ -52,10 +55,16 @@ class BrokerServer:
                                  group_commit=listener is not None and listener.syncs_every_reply,
                                  descriptor_cap=soft_fd_limit - reserve if soft_fd_limit > 0 else 1 << 30)
         self.connections = self.state.connections
+        self.extra_collectors: list[Collector] = []  # more /metrics (replication's)
         self.servers: list[asyncio.Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+
+    def is_leader(self) -> bool:
+        """For /readyz and load balancers: False only on a replicated member that does not lead now."""
+        gate = self.state.write_gate
+        return gate is None or gate.is_leader()
 
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -182,7 +191,8 @@ def tune_gc() -> None:
 
 
 async def run_server(config: ServerConfig, listener: QueueListener | None = None,
-                     on_ready: Callable[[BrokerServer], None] | None = None) -> None:
+                     on_ready: Callable[[BrokerServer], None] | None = None,
+                     before_start: Callable[[BrokerServer], None] | None = None) -> None:
     tune_gc()
     server = BrokerServer(config, listener)
     loop = asyncio.get_running_loop()
@@ -194,6 +204,8 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
     if listener is not None:
         listener.recover(server.queue)
         gc.freeze()  # the recovered jobs are long-lived: keep them out of future collections
+    if before_start is not None:
+        before_start(server)  # replication: gates and hooks in place before the first client
     await server.start()
     if on_ready is not None:
         on_ready(server)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker import protocol as p
 from broker import security
@@ -103,8 +103,10 @@ class ServerState:
         "group_commit",
         "line_cache",
         "queue",
+        "replication_hold",
         "sync_point",
         "timer",
+        "write_gate",
     )
 
     def __init__(self, config: ServerConfig, queue: Queue, timer: LoopTimer,
@@ -119,6 +121,10 @@ class ServerState:
         self.group_commit = group_commit
         self._held: list[tuple[BrokerConnection, bytes]] = []
         self._held_bytes = 0
+        # Replication hooks (broker.replication): refuse changes on a member that is not the
+        # leader; hold acknowledging replies until enough replicas have their records.
+        self.write_gate: WriteGate | None = None
+        self.replication_hold: ReplicationHold | None = None
 
     def new_decoder(self, auth_enabled: bool) -> p.Decoder:
         return p.Decoder(self.config.max_job_size, auth_enabled=auth_enabled, line_cache=self.line_cache)
@@ -147,5 +153,28 @@ class ServerState:
         self._held_bytes = 0
         if self.sync_point is not None:
             self.sync_point()
+        if self.replication_hold is not None and self.replication_hold.hold(held):
+            return  # sent by the hold once enough replicas have the records (--sync-replicas)
         for conn, data in held:
             conn.send(data)
+
+    def drop_held(self) -> None:
+        """A replicated member stepping down: replies not sent yet must never acknowledge their changes."""
+        self._held = []
+        self._held_bytes = 0
+
+
+class WriteGate(Protocol):
+    """Refuses the commands in ``commands`` while this member may not change the queue."""
+
+    commands: frozenset[str]
+
+    def refuse(self, name: str) -> bytes | None: ...
+
+    def is_leader(self) -> bool: ...
+
+
+class ReplicationHold(Protocol):
+    """Takes a group of replies that must wait for replicas; False: send them now."""
+
+    def hold(self, replies: list[tuple[BrokerConnection, bytes]]) -> bool: ...

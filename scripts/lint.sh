@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 # Checked by both ruff and mypy --strict.
 CHECKED=(
   beanstalk_rules
+  broker/replication
   broker/security.py
   spark_beanstalk/__init__.py
   spark_beanstalk/embedded.py
@@ -27,6 +28,9 @@ RUFF_ONLY=(
   tests/test_broker_cli.py
   tests/test_greenstalk_e2e.py
   tests/test_jobs.py
+  tests/test_failover.py
+  tests/test_replication.py
+  tests/test_replication_unit.py
 )
 RUFF_PATHS=("${CHECKED[@]}" "${RUFF_ONLY[@]}")
 MYPY_PATHS=("${CHECKED[@]}")

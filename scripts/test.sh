@@ -13,6 +13,11 @@ if ! command -v chromium >/dev/null 2>&1; then  # the dashboard's browser tests 
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
 fi
+if ! command -v etcd >/dev/null 2>&1; then  # replication failover tests (leadership held in etcd)
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server
+fi
 if ! command -v java >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq

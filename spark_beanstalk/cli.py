@@ -25,6 +25,9 @@ def _register_subcommands() -> None:
             raise
     else:
         main.add_command(broker_command, name="broker")
+        from broker.replication import admin  # promote / demote: leadership of a replicated broker
+
+        admin.register(main)
 
 
 _register_subcommands()

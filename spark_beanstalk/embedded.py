@@ -82,6 +82,7 @@ class ServerProcess:
     stderr_path: str | None = None
     _stderr_file: IO[bytes] | None = field(default=None, repr=False)
     port_chosen: bool = False  # the port came from free_port(): start() may move to another
+    repl_address: str = ""  # a replicated member's --replication-listen (member_process)
     preexec: Callable[[], None] | None = None  # run in the child before exec (e.g. lower RLIMIT_NOFILE)
     kind: str = ""  # "ours" / "beanstalkd" for the parametrized fixtures
 
@@ -203,3 +204,44 @@ def start_server(kind: str, **kw: Any) -> ServerProcess:
     server = factory(**kw).start()
     server.kind = kind
     return server
+
+
+def etcd_binary() -> str | None:
+    """Path of etcd (Debian's etcd-server package), if installed."""
+    return shutil.which("etcd") or (os.path.exists("/usr/bin/etcd") and "/usr/bin/etcd") or None
+
+
+def etcd_process(data_dir: str, host: str = "127.0.0.1", **kw: Any) -> ServerProcess:
+    """A one-node etcd on free ports with a short raft heartbeat (lease TTLs of 1 s are allowed); call .start().
+
+    ``.address`` is the client endpoint (``host:port``); pass ``http://`` + it to ``--etcd``.
+    """
+    binary = etcd_binary()
+    if binary is None:
+        raise RuntimeError("etcd is not installed (apt-get install -y etcd-server)")
+    client, peer = free_port(host), free_port(host)
+    argv = [binary, "--name", "sb", "--data-dir", data_dir,
+            "--listen-client-urls", f"http://{host}:{client}", "--advertise-client-urls", f"http://{host}:{client}",
+            "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+            "--initial-cluster", f"sb=http://{host}:{peer}", "--heartbeat-interval", "50", "--election-timeout", "300"]
+    return ServerProcess(argv=argv, host=host, port=client, **kw)
+
+
+def member_process(binlog_dir: str, etcd: str | None = None, name: str | None = None, replica_of: str | None = None,
+                   sync_replicas: int = 0, lease_ttl: int = 1, extra_args: Sequence[str] = (),
+                   **kw: Any) -> ServerProcess:
+    """One member of a replicated broker (``-b`` plus replication flags); call .start().
+
+    ``.repl_address`` is its replication listener (what ``--replica-of`` and promote/demote take).
+    """
+    repl = free_port()
+    args = ["-b", binlog_dir, "--replication-listen", f"127.0.0.1:{repl}", *extra_args]
+    if etcd is not None:
+        args += ["--etcd", etcd, "--lease-ttl", str(lease_ttl), "--member-name", name or f"m{repl}"]
+    if replica_of is not None:
+        args += ["--replica-of", replica_of]
+    if sync_replicas:
+        args += ["--sync-replicas", str(sync_replicas)]
+    proc = broker_process(extra_args=args, **kw)
+    proc.repl_address = f"127.0.0.1:{repl}"
+    return proc

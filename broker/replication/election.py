@@ -1,0 +1,211 @@
+"""Leadership through etcd: a lease per member, one leader key, elections by log position.
+
+Keys under ``/<cluster>/`` (values JSON):
+
+* ``members/<name>`` - {name, client, repl}: a member is alive while its lease is;
+* ``leader`` - {name, client, repl}, put with the leader's lease only if absent (one etcd
+  transaction); its create revision is the leader's **epoch** (etcd revisions only grow, so
+  every epoch is higher than any before it);
+* ``handover`` - {target, granted}: ``spark-beanstalk promote`` asks for ``target`` to lead
+  next; the leader grants it (and steps down) once the target has every record, and only a
+  granted handover lets the target win without the position check.
+
+Election: a member that sees no leader stops following and asks every other live member
+(over its replication listener, ``role``) for its position, the (epoch, seq) of its last
+record. It tries to create the leader key only if no live candidate is ahead of it (epoch,
+then seq, then name), or if it is the handover target. A live member that cannot be asked
+blocks the election until it answers or its lease lapses: no deadline ever lets a member
+with an older log win. Why this keeps acknowledged records: a replica acknowledges a record
+only after applying it, the old leader acknowledges to clients only before its lease ends,
+and the leader key disappears only after that; so every record a client was told about is
+already in the position a surviving replica reports. With ``--sync-replicas N`` such a
+replica exists while one of the N that acknowledged survives.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from broker import logs
+from broker.replication.etcd import EtcdClient, EtcdError, KeyValue
+from broker.replication.member import split_address
+
+if TYPE_CHECKING:
+    from broker.replication.member import Member
+
+log = logging.getLogger("broker.replication")
+POLL = 0.1
+ASK_TIMEOUT = 0.5
+
+
+class EtcdLeadership:
+    def __init__(self, member: Member) -> None:
+        cfg = member.config
+        assert cfg.etcd is not None
+        self.member = member
+        self.etcd = EtcdClient(cfg.etcd, timeout=max(0.5, cfg.lease_ttl / 2))
+        self.keepalive_etcd = EtcdClient(cfg.etcd, timeout=max(0.5, cfg.lease_ttl / 2))
+        base = f"/{cfg.cluster}/"
+        self.k_leader = base + "leader"
+        self.k_members = base + "members/"
+        self.k_handover = base + "handover"
+        self.lease = 0
+        self.margin = min(0.25, cfg.lease_ttl * 0.2)
+        repl = cfg.listen
+        self.me = json.dumps({"name": cfg.name, "client": cfg.client_address,
+                              "repl": f"{repl[0]}:{repl[1]}" if repl else ""}).encode()
+        self._last_error = ""
+
+    async def run(self) -> None:
+        keepalive = asyncio.get_running_loop().create_task(self._keepalive())
+        try:
+            while True:
+                try:
+                    if not self.lease:
+                        await self._register()
+                    await self._step()
+                    self._last_error = ""
+                except EtcdError as exc:
+                    if str(exc) != self._last_error:
+                        logs.event(log, logging.WARNING, "etcd", str(exc))
+                    self._last_error = str(exc)
+                except Exception:  # a bug must not end elections for good: log it, go on
+                    log.exception("leadership step failed")
+                await asyncio.sleep(POLL)
+        finally:
+            keepalive.cancel()
+            await self.etcd.close()
+            await self.keepalive_etcd.close()
+
+    # -- the lease -------------------------------------------------------------------------
+    async def _register(self) -> None:
+        sent = time.monotonic()
+        lease, ttl = await self.etcd.grant(self.member.config.lease_ttl)
+        self.lease = lease
+        self.member.lease_until = sent + ttl - self.margin
+        await self.etcd.put(self.k_members + self.member.config.name, self.me, lease)
+
+    async def _keepalive(self) -> None:
+        interval = self.member.config.lease_ttl / 4
+        while True:
+            await asyncio.sleep(interval)
+            lease = self.lease
+            if not lease:
+                continue
+            sent = time.monotonic()
+            try:
+                ttl = await self.keepalive_etcd.keepalive(lease)
+            except EtcdError:
+                continue  # etcd unreachable: the gate fences at lease_until by itself
+            except Exception:
+                log.exception("lease keep-alive failed")
+                continue
+            if lease != self.lease:
+                continue
+            if ttl <= 0:
+                self.lease = 0
+                self.member.step_down("lease lost")
+            else:
+                self.member.lease_until = sent + ttl - self.margin
+
+    async def _drop_lease(self) -> None:
+        lease, self.lease = self.lease, 0
+        if lease:
+            with contextlib.suppress(EtcdError):  # unreachable: it expires by itself
+                await self.etcd.revoke(lease)
+
+    # -- one poll --------------------------------------------------------------------------
+    async def _step(self) -> None:
+        member = self.member
+        leader = await self.etcd.get(self.k_leader)
+        if member.role == "leader":
+            if leader is None or leader.lease != self.lease:
+                member.step_down("the leader key is gone")
+                await self._drop_lease()
+            else:
+                await self._maybe_hand_over()
+            return
+        if member.lease_until and member.lease_until < time.monotonic() and self.lease:
+            await self._drop_lease()  # a lease we could not renew in time: start afresh
+            return
+        if leader is not None and leader.lease == self.lease:
+            await self._drop_lease()  # we stepped down (demote, fencing) but still hold the key: let it go
+            return
+        if member.promote_requested:
+            member.promote_requested = False
+            await self.etcd.put(self.k_handover, json.dumps({"target": member.config.name, "granted": False}).encode(),
+                                self.lease)
+        if leader is not None:
+            info = _json(leader)
+            if info.get("name") != member.config.name and info.get("repl"):
+                host, port = split_address(str(info["repl"]))
+                member.follow(str(info.get("name", "")), host, port)
+            return
+        await self._elect()
+
+    async def _maybe_hand_over(self) -> None:
+        handover = await self.etcd.get(self.k_handover)
+        if handover is None:
+            return
+        request = _json(handover)
+        target = str(request.get("target", ""))
+        if target == self.member.config.name or request.get("granted"):
+            await self.etcd.delete(self.k_handover)  # stale: a finished handover, or one to us
+            return
+        source = self.member.source
+        if any(s.name == target and s.acked >= source.seq for s in source.sessions):
+            # granted only now, while we lead and the target has every record: it may skip the position check
+            granted = json.dumps({"target": target, "granted": True}).encode()
+            await self.etcd.put(self.k_handover, granted, handover.lease)
+            self.member.no_candidacy_until = time.monotonic() + 3 * self.member.config.lease_ttl
+            self.member.step_down(f"handing over to {target}")
+            await self._drop_lease()
+
+    # -- elections ---------------------------------------------------------------------------
+    async def _elect(self) -> None:
+        member = self.member
+        await member.stop_following()
+        if not member.may_lead():
+            await self._await_leader()
+            return
+        pos = member.position()
+        name = member.config.name
+        handover = await self.etcd.get(self.k_handover)
+        request = _json(handover) if handover is not None else {}
+        wanted = str(request.get("target", "")) if request.get("granted") else ""
+        for kv in await self.etcd.get_prefix(self.k_members):
+            other = kv.key[len(self.k_members):]
+            if other == name:
+                continue
+            info = _json(kv)
+            state = await member.ask_role(str(info.get("repl", "")), ASK_TIMEOUT)
+            if state is None:
+                return  # a live member we cannot ask: decide nothing without it (next poll asks again)
+            ahead = (state.epoch, state.seq, other) > (pos.epoch, pos.seq, name)
+            if state.role == "leader" or (state.candidate and (other == wanted or (wanted != name and ahead))):
+                await self._await_leader()
+                return
+        epoch = await self.etcd.create(self.k_leader, self.me, self.lease)
+        if epoch is not None and time.monotonic() < member.lease_until:
+            member.become_leader(epoch)
+            if wanted == name:
+                await self.etcd.delete(self.k_handover)
+
+    async def _await_leader(self) -> None:
+        deadline = time.monotonic() + self.member.config.lease_ttl + 1.0
+        while time.monotonic() < deadline:
+            if await self.etcd.get(self.k_leader) is not None:
+                return
+            await asyncio.sleep(POLL / 2)
+
+
+def _json(kv: KeyValue) -> dict[str, Any]:
+    try:
+        value = json.loads(kv.value)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

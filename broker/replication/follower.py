@@ -1,0 +1,235 @@
+"""The replica's side of the stream: connect, catch up, apply, acknowledge.
+
+Records are applied through the queue's ``apply_*`` methods, so the replica's own binlog
+logs them as it logs a command's changes; the acknowledgement for a batch is sent only
+after the binlog's sync point (written; fsynced with ``-f 0``). Applying is idempotent per
+job (a full record sets the job's state, an update or delete of an unknown job is a
+no-op), so replaying records the replica already has is harmless: the position file may
+lag behind the binlog, never run ahead of it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker import logs
+from broker.queue import Queue
+from broker.replication import wire
+
+log = logging.getLogger("broker.replication")
+STATE_FILE = "replication.json"
+CONNECT_TIMEOUT = 3.0
+SILENCE_TIMEOUT = 3.0  # the leader heartbeats every 0.1 s; this much silence means it is gone
+
+
+@dataclass
+class Position:
+    """Where a member stands in the leaders' history: the last record it has."""
+
+    epoch: int = 0
+    seq: int = 0
+
+    def key(self) -> tuple[int, int]:
+        return (self.epoch, self.seq)
+
+
+def load_position(directory: str) -> Position:
+    try:
+        with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as fh:
+            data = json.load(fh)
+        return Position(int(data["epoch"]), int(data["seq"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return Position()
+
+
+def save_position(directory: str, pos: Position) -> None:
+    path = os.path.join(directory, STATE_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"epoch": pos.epoch, "seq": pos.seq}, fh)
+    os.replace(tmp, path)
+
+
+class Applier:
+    """Applies stream messages to the queue; tracks position and lag."""
+
+    def __init__(self, queue: Queue, pos: Position) -> None:
+        self.queue = queue
+        self.pos = pos
+        self.snapshot: set[int] | None = None
+        self.leader_head = pos.seq
+        self.caught_up_at = time.monotonic()
+        self.snapshots = 0
+
+    def lag_records(self) -> int:
+        return max(0, self.leader_head - self.pos.seq)
+
+    def lag_seconds(self) -> float:
+        return 0.0 if self.lag_records() == 0 else time.monotonic() - self.caught_up_at
+
+    def apply(self, msgs: list[wire.Message]) -> bool:
+        """Apply messages in order; True when the position moved (an ack is due)."""
+        moved = False
+        off = time.time_ns() - self.queue.clock()
+        for m in msgs:
+            if m.epoch < self.pos.epoch:
+                raise wire.StreamError(f"message of epoch {m.epoch} after epoch {self.pos.epoch}: a deposed leader")
+            if m.kind == wire.M_RECORD:
+                moved |= self._record(m, off)
+            elif m.kind == wire.M_SNAPSHOT_BEGIN:
+                self.snapshot = set()
+            elif m.kind == wire.M_SNAPSHOT_END:
+                self._end_snapshot(m)
+                moved = True
+            else:
+                self.leader_head = max(self.leader_head, m.seq) if m.epoch == self.pos.epoch else m.seq
+                self._bump_next_id(m.payload)
+        if self.lag_records() == 0:
+            self.caught_up_at = time.monotonic()
+        return moved
+
+    def _record(self, m: wire.Message, off: int) -> bool:
+        if self.snapshot is not None:
+            self.snapshot.add(self._apply_record(m.payload, off))
+            return False
+        if m.epoch != self.pos.epoch or m.seq != self.pos.seq + 1:
+            if m.epoch == self.pos.epoch and m.seq <= self.pos.seq:
+                return False  # already have it
+            raise wire.StreamError(f"record ({m.epoch}, {m.seq}) does not follow ({self.pos.epoch}, {self.pos.seq})")
+        self._apply_record(m.payload, off)
+        self.pos = Position(m.epoch, m.seq)
+        self.leader_head = max(self.leader_head, m.seq)
+        return True
+
+    def _apply_record(self, record: bytes, off: int) -> int:
+        fields = wire.decode_record(record)
+        queue = self.queue
+        if isinstance(fields, wire.JobFields):
+            deadline = fields.deadline - off if fields.deadline else 0
+            queue.apply_job(fields.id, fields.tube, fields.pri, fields.delay, fields.ttr, fields.body, fields.state,
+                            deadline, fields.created - off, fields.counters)
+            return fields.id
+        if isinstance(fields, wire.UpdateFields):
+            deadline = fields.deadline - off if fields.deadline else 0
+            queue.apply_state(fields.id, fields.state, fields.pri, fields.delay, deadline, fields.counters)
+            return fields.id
+        queue.apply_delete(fields)
+        return fields
+
+    def _end_snapshot(self, m: wire.Message) -> None:
+        keep = self.snapshot or set()
+        for job_id in [i for i in self.queue.jobs if i not in keep]:
+            self.queue.apply_delete(job_id)
+        self.snapshot = None
+        self.snapshots += 1
+        self.pos = Position(m.epoch, m.seq)
+        self.leader_head = m.seq
+        self._bump_next_id(m.payload)
+
+    def _bump_next_id(self, payload: bytes) -> None:
+        if len(payload) == wire.NEXT_ID.size:
+            next_id = wire.NEXT_ID.unpack(payload)[0]
+            self.queue.next_id = max(self.queue.next_id, next_id)
+
+
+@dataclass
+class StreamTarget:
+    host: str
+    port: int
+    token: bytes | None = None
+    ssl_context: ssl.SSLContext | None = None
+
+
+class Follower:
+    """Follows one leader address until stopped, reconnecting after errors."""
+
+    def __init__(self, target: StreamTarget, name: str, applier: Applier, after_batch: Callable[[], None],
+                 state_dir: str) -> None:
+        self.target = target
+        self.name = name
+        self.applier = applier
+        self.after_batch = after_batch  # the server's sync point and timer reschedule
+        self.state_dir = state_dir
+        self.connected = False
+        self.last_error = ""
+        self.stopped = False  # besides cancel(): asyncio.wait_for can swallow a cancellation (Python 3.11)
+        self._saved_at = 0.0
+
+    async def run(self) -> None:
+        while not self.stopped:
+            try:
+                await self._session()
+            except Exception as exc:  # noqa: BLE001  (any failure: log it, reconnect, ask again from our position)
+                if str(exc) != self.last_error:
+                    where = f"{self.target.host}:{self.target.port}"
+                    logs.event(log, logging.WARNING, "replication-stream", f"{where}: {exc}")
+                self.last_error = str(exc)
+            finally:
+                self.connected = False
+                self.applier.snapshot = None
+                self.after_batch()  # what was applied is in the binlog before the position says so
+                self._save(force=True)
+            await asyncio.sleep(0.2)
+
+    async def _session(self) -> None:
+        t = self.target
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(t.host, t.port, ssl=t.ssl_context,
+                                    server_hostname=t.host if t.ssl_context is not None else None), CONNECT_TIMEOUT)
+        nodelay(writer)
+        try:
+            await self._handshake(reader, writer)
+            self.connected = True
+            self.last_error = ""
+            buf = bytearray()
+            while True:
+                data = await asyncio.wait_for(reader.read(1 << 20), SILENCE_TIMEOUT)
+                if not data:
+                    raise EOFError("the leader closed the stream")
+                buf += data
+                if self.stopped:
+                    return
+                if self.applier.apply(wire.split_messages(buf)):
+                    self.after_batch()
+                    pos = self.applier.pos
+                    writer.write(wire.ACK.pack(pos.epoch, pos.seq))
+                    self._save()
+        finally:
+            writer.transport.abort()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.target.token is not None:
+            writer.write(b"auth %s\r\n" % self.target.token)
+            line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
+            if line != b"OK\r\n":
+                raise ValueError(f"replication auth refused: {line!r}")
+        pos = self.applier.pos
+        writer.write(b"replicate %s %d %d\r\n" % (self.name.encode(), pos.epoch, pos.seq))
+        line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
+        if not line.startswith(b"STREAMING "):
+            raise ValueError(f"the member at {self.target.host}:{self.target.port} does not stream: {line!r}")
+
+    def _save(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._saved_at >= 0.1:
+            self._saved_at = now
+            try:
+                save_position(self.state_dir, self.applier.pos)
+            except OSError as exc:
+                logs.event(log, logging.ERROR, "replication-state", f"cannot save the position: {exc}")
+
+
+def nodelay(writer: asyncio.StreamWriter) -> None:
+    """Acks and records are small and latency-bound: no Nagle delay on the stream."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,278 @@
+"""The leader's side of the stream: records, backlog, snapshots, replica sessions, sync holds.
+
+While this member leads, every queue change becomes one binlog record (the same bytes the
+binlog writes) numbered ``seq`` within the leader's ``epoch``. Records are kept in a bounded
+in-memory backlog and sent to every replica at the server's sync point (once per reply
+batch). A replica that asks for a position in this epoch that the backlog still holds gets
+the records after it; any other position (another epoch, older than the backlog, a fresh
+replica) gets a snapshot of the live jobs first. ``SyncHold`` keeps replies that acknowledge
+changes until ``--sync-replicas`` replicas have acknowledged their records.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from broker import binlog_format as fmt
+from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener
+from broker.replication import wire
+
+if TYPE_CHECKING:
+    from broker.connection import BrokerConnection
+
+NS = 1_000_000_000
+BACKLOG_BYTES = 64 << 20
+MAX_UNSENT = 256 << 20  # a replica this far behind on the socket is dropped; it catches up by snapshot
+
+
+class ReplicaSession:
+    """One connected replica: where it is, what it acknowledged."""
+
+    def __init__(self, name: str, writer: asyncio.StreamWriter) -> None:
+        self.name = name
+        self.writer = writer
+        self.acked = 0
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.writer.write(data)
+        if self.writer.transport.get_write_buffer_size() > MAX_UNSENT:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+
+
+class ReplicationSource(QueueListener):
+    """Queue listener active while this member leads."""
+
+    def __init__(self, backlog_bytes: int = BACKLOG_BYTES) -> None:
+        self.active = False
+        self.epoch = 0
+        self.seq = 0
+        self.backlog: deque[tuple[int, bytes]] = deque()
+        self.backlog_bytes = 0
+        self.backlog_limit = backlog_bytes
+        self.pending: list[bytes] = []
+        self.sessions: list[ReplicaSession] = []
+        self.queue: Queue | None = None
+        self.on_ack: Callable[[], None] = _nothing
+        self.catch_ups = {"backlog": 0, "snapshot": 0}  # how replicas joined, for stats
+        self._tubes: dict[str, bytes] = {}
+
+    # -- leading ---------------------------------------------------------------------------
+    def start(self, epoch: int) -> None:
+        self.active = True
+        self.epoch = epoch
+        self.seq = 0
+        self.backlog.clear()
+        self.backlog_bytes = 0
+        self.pending.clear()
+
+    def stop(self) -> None:
+        """No longer the leader: record nothing, drop every replica."""
+        self.active = False
+        self.pending.clear()
+        for session in self.sessions:
+            session.close()
+        self.sessions.clear()
+
+    # -- queue listener --------------------------------------------------------------------
+    def recover(self, queue: Queue) -> None:
+        self.queue = queue
+
+    def job_put(self, job: Job) -> None:
+        if self.active:
+            created = job.created + self._wall_offset()
+            delay = job.delay
+            self._emit(fmt.encode_job(job.id, DELAYED if delay else READY, job.pri, delay, job.ttr * NS, created,
+                                      created + delay if delay else 0, (0, 0, 0, 0, 0), self._tube(job), job.body))
+
+    def job_updated(self, job: Job) -> None:
+        if self.active and job.state != INVALID:
+            deadline = job.deadline + self._wall_offset() if job.state == DELAYED else 0
+            self._emit(fmt.encode_update(job.id, job.state, job.pri, job.delay, deadline, _counters(job)))
+
+    def job_reserved(self, job: Job) -> None:
+        self.job_updated(job)  # state reserved, reserves+1: a replica keeps the count (it holds the job ready)
+
+    def job_deleted(self, job: Job) -> None:
+        if self.active:
+            self._emit(fmt.encode_delete(job.id))
+
+    def sync_point(self) -> None:
+        if self.pending:
+            data = b"".join(self.pending)
+            self.pending.clear()
+            for session in self.sessions:
+                session.send(data)
+
+    def close(self) -> None:
+        self.stop()
+
+    # -- records ---------------------------------------------------------------------------
+    def _emit(self, record: bytes) -> None:
+        self.seq += 1
+        msg = wire.message(wire.M_RECORD, self.epoch, self.seq, time.time_ns(), record)
+        self.pending.append(msg)
+        self.backlog.append((self.seq, msg))
+        self.backlog_bytes += len(msg)
+        while self.backlog_bytes > self.backlog_limit and len(self.backlog) > 1:
+            self.backlog_bytes -= len(self.backlog.popleft()[1])
+
+    def _tube(self, job: Job) -> bytes:
+        name = job.tube.name
+        tb = self._tubes.get(name)
+        if tb is None:
+            tb = self._tubes[name] = name.encode("latin-1")
+        return tb
+
+    def _wall_offset(self) -> int:
+        assert self.queue is not None
+        return time.time_ns() - self.queue.clock()
+
+    def full_record(self, job: Job) -> bytes:
+        off = self._wall_offset()
+        deadline = job.deadline + off if job.state == DELAYED else 0
+        return fmt.encode_job(job.id, job.state, job.pri, job.delay, job.ttr * NS, job.created + off, deadline,
+                              _counters(job), self._tube(job), job.body)
+
+    # -- replicas --------------------------------------------------------------------------
+    def attach(self, session: ReplicaSession, epoch: int, seq: int) -> str:
+        """Start streaming to a replica at (epoch, seq); returns "backlog" or "snapshot".
+
+        Synchronous on purpose: nothing can change the queue between the catch-up data and
+        the session joining the live stream.
+        """
+        self.sync_point()  # records not yet sent belong to the live stream of the others
+        first = self.backlog[0][0] if self.backlog else self.seq + 1
+        now = time.time_ns()
+        if epoch == self.epoch and first - 1 <= seq <= self.seq:
+            parts = [msg for s, msg in self.backlog if s > seq]
+            how = "backlog"
+        else:
+            assert self.queue is not None
+            parts = [wire.message(wire.M_SNAPSHOT_BEGIN, self.epoch, self.seq, now)]
+            parts += [wire.message(wire.M_RECORD, self.epoch, 0, now, self.full_record(job))
+                      for job in self.queue.jobs.values() if job.state != INVALID]
+            parts.append(wire.message(wire.M_SNAPSHOT_END, self.epoch, self.seq, now,
+                                      wire.NEXT_ID.pack(self.queue.next_id)))
+            how = "snapshot"
+        session.send(b"".join(parts))
+        self.sessions.append(session)
+        self.catch_ups[how] += 1
+        return how
+
+    def detach(self, session: ReplicaSession) -> None:
+        session.close()
+        if session in self.sessions:
+            self.sessions.remove(session)
+
+    def acknowledged(self, session: ReplicaSession, epoch: int, seq: int) -> None:
+        if epoch == self.epoch and seq > session.acked:
+            session.acked = min(seq, self.seq)  # never more than was sent
+            self.on_ack()
+
+    def heartbeat(self) -> None:
+        if self.active and self.queue is not None and self.sessions:
+            self.sync_point()
+            msg = wire.message(wire.M_HEARTBEAT, self.epoch, self.seq, time.time_ns(),
+                               wire.NEXT_ID.pack(self.queue.next_id))
+            for session in self.sessions:
+                session.send(msg)
+
+    def acked_by(self, n: int) -> int:
+        """The newest seq that at least ``n`` connected replicas have."""
+        acks = sorted((s.acked for s in self.sessions if not s.closed), reverse=True)
+        return acks[n - 1] if len(acks) >= n else 0
+
+
+class SyncHold:
+    """--sync-replicas N: replies wait, in order, until N replicas have their records.
+
+    Installed as the server's ``replication_hold``: ``commit_group`` hands it each group of
+    replies after the binlog's sync point. A group made while records were logged waits
+    until ``acked_by(N)`` reaches the newest of them; a group that logged nothing (reads,
+    reserves) goes out at once, except the replies of connections that already have replies
+    waiting (each connection's replies stay in order). Replies go out only while
+    ``may_ack()`` (the leader's lease is valid); on step-down held replies are dropped and
+    their connections closed.
+    """
+
+    def __init__(self, source: ReplicationSource, needed: int, may_ack: Callable[[], bool]) -> None:
+        self.source = source
+        self.needed = needed
+        self.may_ack = may_ack
+        self.waiting: deque[tuple[int, list[tuple[BrokerConnection, bytes]]]] = deque()
+        self.held: dict[BrokerConnection, int] = {}  # connection -> groups of it waiting
+        self.last_seq = 0
+        source.on_ack = self.release
+
+    def hold(self, replies: list[tuple[BrokerConnection, bytes]]) -> bool:
+        source = self.source
+        if not source.active:
+            return False  # not leading: nothing here acknowledges a change (the gate refused them)
+        target = source.seq
+        logged = target != self.last_seq
+        self.last_seq = target
+        if not self.waiting and source.acked_by(self.needed) >= target and self.may_ack():
+            return False
+        if not logged:
+            later = [(conn, data) for conn, data in replies if conn in self.held]
+            for conn, data in replies:
+                if conn not in self.held:
+                    conn.send(data)
+            if later:
+                self._wait(self.waiting[-1][0] if self.waiting else target, later)
+            return True
+        self._wait(target, replies)
+        return True
+
+    def _wait(self, target: int, replies: list[tuple[BrokerConnection, bytes]]) -> None:
+        self.waiting.append((target, replies))
+        held = self.held
+        for conn in {conn for conn, _ in replies}:
+            held[conn] = held.get(conn, 0) + 1
+
+    def _done(self, replies: list[tuple[BrokerConnection, bytes]]) -> None:
+        held = self.held
+        for conn in {conn for conn, _ in replies}:
+            n = held.get(conn, 0) - 1
+            if n > 0:
+                held[conn] = n
+            else:
+                held.pop(conn, None)
+
+    def release(self) -> None:
+        if not self.waiting or not self.may_ack():
+            return
+        done = self.source.acked_by(self.needed)
+        while self.waiting and self.waiting[0][0] <= done:
+            replies = self.waiting.popleft()[1]
+            self._done(replies)
+            for conn, data in replies:
+                conn.send(data)
+
+    def abort(self) -> None:
+        """Stepping down: these replies may never say their changes were accepted."""
+        while self.waiting:
+            for conn, _data in self.waiting.popleft()[1]:
+                if conn.transport is not None:
+                    conn.closing = True
+                    conn.transport.abort()
+        self.held.clear()
+
+
+def _counters(job: Job) -> tuple[int, int, int, int, int]:
+    return (job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
+
+
+def _nothing() -> None:
+    pass

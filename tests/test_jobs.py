@@ -105,7 +105,7 @@ def test_broker_toml_documents_every_flag_and_changes_nothing(broker):
     assert active["listen"] == "127.0.0.1" and active["port"] == 11300
     text = Path(CONF, "broker.toml").read_text()
     flags = {p.name for p in broker_command.params if p.name not in ("help", "config", "version")}
-    keys = {"binlog_size": "binlog_segment_size", "binlog_ignore_damage": "--binlog-ignore-damage"}
+    keys = {"binlog_size": "binlog_segment_size", "binlog_ignore_damage": "--binlog-ignore-damage", "metrics": "http"}
     for name in flags:
         key = keys.get(name, name)
         assert f"\n{key} = " in text or f"\n# {key} = " in text or key.startswith("--") and key in text, key

@@ -17,7 +17,7 @@ import pytest
 from spark_beanstalk.client import Connection, encode_put
 from spark_beanstalk.embedded import free_port
 from spark_beanstalk.options import OptionError, SourceOptions
-from spark_beanstalk.source import decode_ranges, encode_ranges, make_offset
+from spark_beanstalk.offsets import decode_ranges, encode_ranges, make_offset
 
 pytestmark = pytest.mark.spark
 
@@ -122,7 +122,7 @@ def test_options_validation_messages():
 def test_bulk_reserve_and_stats_parsing(server, conn_factory):
     """The source's batched protocol paths: reserve_many, stats_jobs (regex fast path and the
     one-by-one fallback when a job vanished), failed_commands, over replies larger than one recv."""
-    from spark_beanstalk.source import delete_jobs, failed_commands, stats_jobs
+    from spark_beanstalk.source_wire import delete_jobs, failed_commands, stats_jobs
 
     conn = conn_factory(server)
     bodies = [b"\r\nUSING x\r\n" + bytes([i % 256]) * (3000 + i) for i in range(300)]   # marker-like bytes too
@@ -349,11 +349,7 @@ def test_clear_errors_for_bad_options_and_unreachable_broker(spark):
 
 def _crash(reader) -> None:
     """What a killed driver process looks like to the broker: every socket closes, nothing is deleted."""
-    reader._stopping = True
-    for b in reader._brokers or []:
-        for rc in b.conns:
-            rc.conn.close()
-        b.control.close()
+    reader._inflight.abandon()
 
 
 @pytest.mark.timeout(60)

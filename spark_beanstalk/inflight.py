@@ -1,0 +1,584 @@
+"""The in-flight manager: the only owner of the source's connections, reservations,
+touches, read-ahead and deletes.
+
+The Spark reader (source.py) asks it for a batch (``next_batch``), tells it which batches
+Spark committed (``commit`` + ``flush_deletes``), has it rebuild a batch after a query
+restart (``replay``) and clean up after one (``cleanup``), and reads its counters
+(``report``). Two threads run beside the Spark calls: the touch thread (keeps held jobs
+from timing out) and the worker (owed deletes, reconnecting, read-ahead). Each broker's
+state is guarded by its own lock (``BrokerLink.lock``); the read-ahead pool by
+``pool_lock``.
+
+A connection that fails drops every connection of its broker (``BrokerLink.reset``); the
+next use of the broker reconnects with backoff and re-acquires what was held
+(``recovery.reacquire``) before reserving anything new, so a job released by the broker
+is never read into another batch. A broker down longer than ``brokerRetrySeconds`` fails
+the query (``check_health``); until then the others are read.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from spark_beanstalk.batch import Batch, JobColumns
+from spark_beanstalk.brokers import BeanstalkSourceError, BrokerLink, ResConn
+from spark_beanstalk.client import ConnectionLost
+from spark_beanstalk.offsets import (
+    BrokerJobs,
+    Offset,
+    block_digests,
+    body_digest,
+    make_offset,
+    offset_jobs,
+    offset_pending,
+)
+from spark_beanstalk.options import SourceOptions
+from spark_beanstalk.recovery import reacquire, rejected_warning, verify_offset_jobs
+from spark_beanstalk.source_wire import (
+    PIPELINE_WINDOW,
+    Identity,
+    delete_jobs,
+    failed_commands,
+    stats_jobs,
+)
+
+log = logging.getLogger("spark_beanstalk.source")
+
+_RESETS_PER_CALL = 3      # reconnects one call may do before it leaves the broker for later
+
+
+@dataclass
+class Timing:
+    """Milliseconds spent, shown in the query's progress."""
+
+    reserve_ms: float = 0.0
+    prefetch_ms: float = 0.0
+    stats_ms: float = 0.0
+    touch_ms: float = 0.0
+    delete_ms: float = 0.0
+    partitions_ms: float = 0.0
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+class InFlight:
+    """What the source holds on its brokers, and every command that changes it."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        self.opts = opts
+        self.brokers = [BrokerLink(host, port, opts) for host, port in opts.hosts]
+        self.batches: dict[int, Batch] = {}      # planned, not committed yet
+        self.committed: list[Batch] = []         # committed, deletes not finished
+        self.pool = Batch(-1)                     # read-ahead: reserved, in no batch yet
+        self.pool_lock = threading.Lock()
+        self.delete_lock = threading.Lock()
+        self.prefetch_cap = 0
+        self.an_budget: dict[str, int] | None = None   # Trigger.AvailableNow: jobs left per broker
+        self.timing = Timing()
+        self.polls = 0
+        self.stopping = False
+        self.worker_error: BaseException | None = None
+        self.touch_error: str | None = None
+        self.wake = threading.Event()     # touch thread
+        self.work = threading.Event()     # worker
+        self._threads: list[threading.Thread] = []
+
+    # --- life cycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to every broker; fail at once only when none can be reached (a wrong 'hosts')."""
+        for b in self.brokers:
+            with b.lock:
+                b.open()
+        if not any(b.connected() for b in self.brokers):
+            b = self.brokers[0]
+            raise BeanstalkSourceError(f"beanstalk source: cannot reach broker {b.address} ({b.last_error}); "
+                                       "check the 'hosts' option")
+        for target, name in ((self._touch_loop, "beanstalk-touch"), (self._worker_loop, "beanstalk-worker")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self) -> None:
+        try:
+            self.flush_deletes()    # committed batches must not come back
+        except Exception as exc:
+            log.warning("beanstalk source: deletes at stop failed: %s", exc)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Close every connection without deleting anything (what a crash looks like to the brokers)."""
+        self.stopping = True
+        self.work.set()
+        self.wake.set()
+        for b in self.brokers:
+            with b.lock:
+                b.close()
+
+    def link(self, address: str) -> BrokerLink | None:
+        return next((b for b in self.brokers if b.address == address), None)
+
+    def check_health(self) -> None:
+        """Raise what the worker hit, or for a broker unreachable past brokerRetrySeconds."""
+        if self.worker_error is not None:
+            err, self.worker_error = self.worker_error, None
+            raise err
+        if self.touch_error:
+            log.warning("beanstalk source: touch thread: %s", self.touch_error)
+            self.touch_error = None
+        bound = self.opts.broker_retry_seconds
+        for b in self.brokers:
+            if b.down_since is not None and b.down_for() > bound:
+                since = time.strftime("%H:%M:%S", time.gmtime(b.down_since_wall))
+                raise BeanstalkSourceError(
+                    f"beanstalk source: cannot reach broker {b.address} for {b.down_for():.0f}s (down since {since} "
+                    f"UTC; brokerRetrySeconds={bound:g}): {b.last_error}; check the broker or the 'hosts' option")
+
+    def wait_up(self, b: BrokerLink) -> None:
+        """Block until b is connected and settled, or raise once it is down past the bound."""
+        while True:
+            with b.lock:
+                if reacquire(b, self.opts.replay_wait_seconds):
+                    return
+            self.check_health()
+            time.sleep(max(0.02, min(0.5, b.next_try - time.monotonic())))
+
+    # --- reserving ---------------------------------------------------------------------------
+    def next_batch(self, seq: int, budget: int, may_block: bool) -> Batch:
+        """The read-ahead pool plus fresh reserves, up to `budget` jobs, as batch `seq` (not planned yet)."""
+        t0 = time.perf_counter()
+        with self.pool_lock:
+            batch, self.pool = self.pool, Batch(-1)
+            batch.seq = seq
+            if batch.count() > budget:
+                self._give_back(batch, batch.count() - budget)
+            got = self.fill(batch, budget - batch.count())
+            if got == 0 and batch.count() == 0 and may_block:
+                self._wait_for_one(batch, budget)
+        self.timing.reserve_ms += (time.perf_counter() - t0) * 1000
+        return batch
+
+    def plan(self, batch: Batch) -> Offset:
+        """Name the batch in an offset (with the deletes still owed) and keep it until it commits."""
+        jobs = {addr: batch.broker_jobs(addr, b.sid) for addr in batch.jobs
+                if (b := self.link(addr)) is not None and batch.jobs[addr].ids}
+        batch.offset = make_offset(batch.seq, jobs, self.owed_deletes())
+        self.batches[batch.seq] = batch
+        return batch.offset
+
+    def fill(self, batch: Batch, budget: int) -> int:
+        """Reserve (without blocking) up to `budget` jobs into `batch`, spread over the brokers."""
+        if budget <= 0:
+            return 0
+        self.polls += 1
+        n = len(self.brokers)
+        first = self.polls % n
+        order = self.brokers[first:] + self.brokers[:first]
+        total = 0
+        for k, b in enumerate(order):
+            share = -(-budget // (n - k))   # ceil: what is left, spread over the brokers left
+            if self.an_budget is not None:
+                share = min(share, self.an_budget.get(b.address, 0))
+            if share <= 0:
+                continue
+            got = self._reserve_from(b, batch, share)
+            budget -= got
+            total += got
+            if self.an_budget is not None:
+                self.an_budget[b.address] -= got
+        return total
+
+    def _reserve_from(self, b: BrokerLink, batch: Batch, want: int) -> int:
+        got_total, idx, resets = 0, 0, 0
+        cap = self.opts.jobs_per_connection
+        while got_total < want:
+            with b.lock:
+                if not reacquire(b, self.opts.replay_wait_seconds):
+                    break
+                try:
+                    idx, rc = b.conn_with_room(idx)
+                    window = min(b.probe, want - got_total, cap - rc.count, PIPELINE_WINDOW)
+                    got, asked_for = self._reserve_window(b, rc, batch, window)
+                except ConnectionLost as exc:
+                    b.reset(exc)
+                    idx, resets = 0, resets + 1
+                    if resets >= _RESETS_PER_CALL:
+                        break
+                    continue
+            got_total += got
+            if asked_for < window:
+                # The tubes ran dry: next poll starts with a window the size of what came now.
+                b.probe = max(1, min(PIPELINE_WINDOW, got_total))
+                break
+            b.probe = min(b.probe * 2, PIPELINE_WINDOW)
+        return got_total
+
+    def _reserve_window(self, b: BrokerLink, rc: ResConn, batch: Batch, window: int) -> tuple[int, int]:
+        """Pipeline `window` reserves on rc, then stats-job for what came. Returns (kept, reserved)."""
+        ids, bodies, others = rc.conn.reserve_many(window)
+        for line in others:
+            if line not in (b"TIMED_OUT", b"DEADLINE_SOON"):
+                raise BeanstalkSourceError(f"beanstalk source: {b.address} answered reserve with {line!r}")
+        if not ids:
+            return 0, 0
+        return self._admit(b, rc, batch, ids, bodies), len(ids)
+
+    def _admit(self, b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], bodies: list[bytes],
+               check_poison: bool = True) -> int:
+        """stats-job the jobs just reserved on rc, settle ones we already held, bury poison,
+        add the rest to the batch and hold them."""
+        t0 = time.perf_counter()
+        now_wall_us = int(time.time() * 1_000_000)
+        st = stats_jobs(rc.conn, ids)
+        b.counters.reserved += len(ids)
+        if st.missing:
+            b.counters.lost += len(st.missing)     # vanished between reserve and stats (someone deleted it)
+            gone = set(st.missing)
+            bodies = [body for jid, body in zip(ids, bodies) if jid not in gone]
+        n = len(st.ids)
+        cols = JobColumns(st.ids, st.tubes, bodies, st.pris, st.ttrs, st.reserves, [now_wall_us] * n,
+                          [body_digest(x) for x in bodies])
+        if not b.held.keys().isdisjoint(cols.ids):
+            cols = self._already_held(b, rc, cols)
+        max_reserves = self.opts.max_reserves if check_poison else 0
+        if max_reserves and cols.reserves and max(cols.reserves) > max_reserves:
+            cols = self._bury_poison(b, rc, cols, max_reserves)
+        batch.add(b.address, cols)
+        b.hold(rc, batch, cols.ids, cols.ttrs, time.monotonic())
+        self.timing.stats_ms += (time.perf_counter() - t0) * 1000
+        if cols.ids:
+            self.wake.set()
+        return len(cols.ids)
+
+    def _already_held(self, b: BrokerLink, rc: ResConn, cols: JobColumns) -> JobColumns:
+        """Reserved a job we hold for another batch: its connection died unnoticed and the broker
+        released it. The same job goes back to its batch (or is deleted, if that batch committed);
+        a different job under a reused id is new, and the old one is lost."""
+        keep: list[int] = []
+        for i, jid in enumerate(cols.ids):
+            lot = b.held.get(jid)
+            if lot is None:
+                keep.append(i)
+                continue
+            if not lot.rc.dead:
+                lot.rc.dead = True          # the broker released its jobs: that connection is gone
+                lot.rc.conn.close()
+                b.conns = [c for c in b.conns if c is not lot.rc]
+                b.dirty = True
+            old = lot.batch.jobs.get(b.address)
+            row = old.ids.index(jid) if old is not None else -1
+            if old is None or old.tubes[row] != cols.tubes[i] or old.digests[row] != cols.digests[i]:
+                b.unhold([jid])
+                b.counters.lost_to_restart += 1
+                if lot.batch.offset is None:
+                    lot.batch.drop(b.address, {jid})
+                keep.append(i)
+            elif lot.batch.committed:
+                b.unhold([jid])
+                b.counters.cleaned += delete_jobs(rc.conn, [jid])
+            else:
+                b.hold(rc, lot.batch, [jid], [cols.ttrs[i]], time.monotonic())
+                b.counters.reacquired += 1
+        return cols.keep(keep)
+
+    def _bury_poison(self, b: BrokerLink, rc: ResConn, cols: JobColumns, max_reserves: int) -> JobColumns:
+        """Bury the jobs reserved more than max_reserves times; returns the others."""
+        poison = [i for i, r in enumerate(cols.reserves) if r > max_reserves]
+        failed = set(failed_commands(rc.conn, [b"bury %d %d\r\n" % (cols.ids[i], cols.pris[i]) for i in poison],
+                                     b"BURIED"))
+        for k, i in enumerate(poison):
+            if k in failed:
+                b.counters.lost += 1
+            else:
+                b.counters.buried += 1
+                log.warning("beanstalk source: buried poison job %s on %s (reserved more than %d times)",
+                            cols.ids[i], b.address, max_reserves)
+        return cols.keep([i for i, r in enumerate(cols.reserves) if r <= max_reserves])
+
+    def _wait_for_one(self, batch: Batch, budget: int) -> None:
+        """Wait up to reserveTimeout seconds for one job, so an idle query does not spin."""
+        b = self.brokers[self.polls % len(self.brokers)]
+        with b.lock:
+            if not reacquire(b, self.opts.replay_wait_seconds):
+                return
+            try:
+                _, rc = b.conn_with_room(0)
+                reply = rc.conn.call(f"reserve-with-timeout {self.opts.reserve_timeout}")
+                if reply.status == b"RESERVED":
+                    self._admit(b, rc, batch, [int(reply.args[0])], [reply.body or b""])
+            except ConnectionLost as exc:
+                b.reset(exc)
+                return
+        if batch.count() and budget > 1:    # more may have come meanwhile: take them in the same batch
+            self._reserve_from(b, batch, budget - 1)
+
+    def _give_back(self, batch: Batch, excess: int) -> None:
+        """Release the last `excess` jobs of a (read-ahead) batch: the limit shrank."""
+        for addr in sorted(batch.jobs, key=lambda a: -len(batch.jobs[a].ids)):
+            cols = batch.jobs[addr]
+            k = min(excess, len(cols.ids))
+            if k <= 0:
+                break
+            excess -= k
+            gone = dict(zip(cols.ids[-k:], cols.pris[-k:]))
+            batch.jobs[addr] = cols.keep(list(range(len(cols.ids) - k)))
+            b = self.link(addr)
+            if b is None:
+                continue
+            with b.lock:
+                try:
+                    for rc, ids in b.held_by_conn().items():
+                        mine = [j for j in ids if j in gone]
+                        if mine:
+                            failed_commands(rc.conn, [b"release %d %d 0\r\n" % (j, gone[j]) for j in mine],
+                                            b"RELEASED")
+                except ConnectionLost as exc:
+                    b.reset(exc)
+                b.unhold(list(gone))
+
+    # --- committing and deleting ------------------------------------------------------------------
+    def commit(self, upto_seq: int) -> None:
+        """Spark committed every batch up to `upto_seq`: their jobs are owed a delete."""
+        for seq in sorted(s for s in self.batches if s <= upto_seq):
+            batch = self.batches.pop(seq)
+            batch.committed = True
+            self.committed.append(batch)
+
+    def flush_deletes(self) -> None:
+        """Delete the jobs of committed batches on every broker that can be reached."""
+        t0 = time.perf_counter()
+        with self.delete_lock:
+            self.committed = [batch for batch in self.committed if not self._delete_batch(batch)]
+        self.timing.delete_ms += (time.perf_counter() - t0) * 1000
+
+    def _delete_batch(self, batch: Batch) -> bool:
+        """Delete what is left of a committed batch; True when nothing of it is held any more."""
+        done = True
+        for addr in batch.jobs:
+            b = self.link(addr)
+            if b is None:
+                continue
+            with b.lock:
+                for _ in range(_RESETS_PER_CALL):
+                    if not reacquire(b, self.opts.replay_wait_seconds):   # deletes the orphans too
+                        break
+                    try:
+                        for rc, ids in b.held_by_conn(batch).items():
+                            ok = delete_jobs(rc.conn, ids)
+                            b.counters.deleted += ok
+                            b.counters.lost += len(ids) - ok
+                            b.unhold(ids)
+                        break
+                    except ConnectionLost as exc:
+                        b.reset(exc)
+                if b.holds_for(batch):
+                    done = False
+        return done
+
+    def owed_deletes(self) -> dict[str, BrokerJobs]:
+        """Per broker, the jobs of committed batches not deleted yet (carried in the next offset)."""
+        owed: dict[str, tuple[list[int], list[str], list[int]]] = {}
+        for batch in self.committed:
+            for addr, cols in batch.jobs.items():
+                b = self.link(addr)
+                if b is None:
+                    continue
+                with b.lock:
+                    for i, jid in enumerate(cols.ids):
+                        lot = b.held.get(jid)
+                        if lot is not None and lot.batch is batch:
+                            ids, tubes, digests = owed.setdefault(addr, ([], [], []))
+                            ids.append(jid)
+                            tubes.append(cols.tubes[i])
+                            digests.append(cols.digests[i])
+        return {addr: BrokerJobs("", sorted(ids), block_digests(ids, tubes, digests))
+                for addr, (ids, tubes, digests) in owed.items()}
+
+    # --- after a query restart ---------------------------------------------------------------------
+    def cleanup(self, start: Offset) -> None:
+        """Delete the jobs of the committed batch `start` (and the deletes it carries) that are
+        back in ready: the previous run died between Spark's commit and its deletes."""
+        for what, entries in (("the committed batch", offset_jobs(start)),
+                              ("earlier committed batches", offset_pending(start))):
+            for addr, bj in sorted(entries.items()):
+                b = self.link(addr)
+                if b is None:
+                    continue
+                self.wait_up(b)
+                with b.lock:
+                    self._cleanup_broker(b, bj, what)
+
+    def _cleanup_broker(self, b: BrokerLink, bj: BrokerJobs, what: str) -> None:
+        deadline = time.monotonic() + self.opts.replay_wait_seconds
+        todo = bj
+        while True:
+            ok, rejected, present = verify_offset_jobs(b, todo)
+            rejected_warning(b, what, [j for j in rejected if j in present])  # vanished ones were deleted
+            ready = [j for j, ident in ok.items() if ident.state != "reserved"]
+            assert b.control is not None
+            if ready:
+                b.counters.cleaned += delete_jobs(b.control, sorted(ready))
+            waiting = sorted(j for j, ident in ok.items() if ident.state == "reserved")
+            if not waiting or time.monotonic() > deadline:
+                if waiting:
+                    log.warning("beanstalk source: %d committed jobs on %s are still reserved elsewhere after "
+                                "%.0fs; they may be delivered again", len(waiting), b.address,
+                                self.opts.replay_wait_seconds)
+                return
+            time.sleep(0.1)
+            # the same jobs, checked again (their digests are known now)
+            todo = BrokerJobs(bj.sid, waiting, [])
+
+    def replay(self, end: Offset) -> Batch:
+        """Rebuild a planned-but-uncommitted batch from its offset alone (restart from a checkpoint)."""
+        seq = int(end.get("seq", 0))
+        batch = Batch(seq)
+        for addr, bj in sorted(offset_jobs(end).items()):
+            b = self.link(addr)
+            if b is None:
+                log.warning("beanstalk source: batch %d names broker %s, which is not in 'hosts'; skipping its %d "
+                            "jobs", seq, addr, len(bj.ids))
+                continue
+            self.wait_up(b)
+            with b.lock:
+                if not bj.digests and bj.sid and b.sid and bj.sid != b.sid:
+                    log.warning("beanstalk source: broker %s restarted since batch %d was planned (server id %s -> "
+                                "%s); its jobs will be read again as new jobs", addr, seq, bj.sid, b.sid)
+                    continue
+                self._replay_broker(b, batch, bj)
+        batch.offset = end
+        self.batches[seq] = batch
+        return batch
+
+    def _replay_broker(self, b: BrokerLink, batch: Batch, bj: BrokerJobs) -> None:
+        ok, rejected, _ = verify_offset_jobs(b, bj)
+        rejected_warning(b, f"batch {batch.seq}", rejected)
+        deadline = time.monotonic() + self.opts.replay_wait_seconds
+        todo = [j for j in bj.ids if j in ok]
+        while todo:
+            waiting = self._replay_some(b, batch, todo, ok)
+            if not waiting or time.monotonic() > deadline:
+                if waiting:
+                    log.warning("beanstalk source: %d jobs of batch %d on %s are still reserved elsewhere after "
+                                "%.0fs; replaying without them", len(waiting), batch.seq, b.address,
+                                self.opts.replay_wait_seconds)
+                return
+            todo = waiting
+            time.sleep(0.1)
+
+    def _replay_some(self, b: BrokerLink, batch: Batch, ids: list[int], known: dict[int, Identity]) -> list[int]:
+        """reserve-job each id; returns the ids held by someone else (worth waiting for)."""
+        missing: list[int] = []
+        idx, pos = 0, 0
+        while pos < len(ids):
+            idx, rc = b.conn_with_room(idx)
+            chunk = ids[pos:pos + min(self.opts.jobs_per_connection - rc.count, PIPELINE_WINDOW)]
+            pos += len(chunk)
+            got, bodies, wrong = [], [], []
+            for jid, (line, body) in zip(chunk, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in chunk])):
+                if body is None or not line.startswith(b"RESERVED "):
+                    missing.append(jid)
+                elif body_digest(body) != known[jid].digest:
+                    wrong.append(jid)     # another job took the id between the check and now
+                else:
+                    got.append(jid)
+                    bodies.append(body)
+            if wrong:
+                failed_commands(rc.conn, [b"release %d 0 0\r\n" % j for j in wrong], b"RELEASED")
+                rejected_warning(b, f"batch {batch.seq}", wrong)
+            if got:
+                # A replayed batch is replayed whole: no poison check (it was planned with these jobs).
+                self._admit(b, rc, batch, got, bodies, check_poison=False)
+                b.counters.replayed += len(got)
+        if not missing:
+            return []
+        assert b.control is not None
+        return [j for j, ident in verify_offset_jobs(b, BrokerJobs(b.sid, missing, [])).ok.items()
+                if ident.state == "reserved"]
+
+    # --- the worker: owed deletes, reconnecting, read-ahead -------------------------------------------
+    def _worker_loop(self) -> None:
+        while not self.stopping:
+            got = 0
+            try:
+                self.flush_deletes()
+                self._maintain()
+                cap = self.prefetch_cap
+                if cap > 0 and not self.stopping:
+                    with self.pool_lock:
+                        room = cap - self.pool.count()
+                        if room > 0:
+                            t0 = time.perf_counter()
+                            got = self.fill(self.pool, room)
+                            self.timing.prefetch_ms += (time.perf_counter() - t0) * 1000
+            except BaseException as exc:   # surfaced by the next latestOffset
+                self.worker_error = exc
+                self.prefetch_cap = 0
+            if got:
+                continue
+            unsettled = any(b.dirty or not b.connected() for b in self.brokers)
+            self.work.wait(0.05 if unsettled else self.opts.prefetch_poll_ms / 1000.0 if self.prefetch_cap else 1.0)
+            self.work.clear()
+
+    def _maintain(self) -> None:
+        """Reconnect brokers that lost their connections and re-acquire what they held."""
+        for b in self.brokers:
+            if b.dirty or not b.connected():
+                with b.lock:
+                    reacquire(b, self.opts.replay_wait_seconds)
+
+    # --- the touch thread -------------------------------------------------------------------------------
+    def _touch_loop(self) -> None:
+        fraction = self.opts.touch_fraction
+        while not self.stopping:
+            now = time.monotonic()
+            next_due = now + 1.0
+            for b in self.brokers:
+                with b.lock:
+                    groups: dict[ResConn, list[int]] | None = None
+                    for rc in list(b.conns):
+                        if not rc.count or rc.dead:
+                            continue
+                        due = rc.touch_due(fraction)
+                        if due <= now:
+                            if groups is None:
+                                groups = b.held_by_conn()
+                            self._touch_conn(b, rc, groups.get(rc, []))
+                            due = rc.touch_due(fraction)
+                        next_due = min(next_due, due)
+            self.wake.wait(max(0.005, next_due - time.monotonic()))
+            self.wake.clear()
+
+    def _touch_conn(self, b: BrokerLink, rc: ResConn, ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        started = time.monotonic()
+        try:
+            failed = failed_commands(rc.conn, [b"touch %d\r\n" % j for j in ids], b"TOUCHED")
+            b.counters.touched += len(ids) - len(failed)
+            for i in failed:
+                b.counters.lost += 1
+                self.touch_error = f"job {ids[i]} on {b.address} could not be touched"
+            b.unhold([ids[i] for i in failed])
+            rc.last_touch = started
+        except ConnectionLost as exc:
+            self.touch_error = f"{b.address}: {exc}"
+            b.reset(exc)
+            self.work.set()
+        self.timing.touch_ms += (time.perf_counter() - t0) * 1000
+
+    # --- progress --------------------------------------------------------------------------------------
+    def report(self, batches_held: int) -> dict[str, Any]:
+        per_broker = {b.address: b.state() for b in self.brokers}
+        keys = ("held", "reserved", "touched", "deleted", "buried", "replayed", "lost", "cleaned", "connections",
+                "reconnects", "reacquired", "lost_to_restart")
+        report: dict[str, Any] = {k: sum(int(e[k]) for e in per_broker.values()) for k in keys}
+        report["brokers"] = per_broker
+        report["batches_held"] = batches_held
+        report["prefetched"] = self.pool.count()
+        report["timing_ms"] = self.timing.rounded()
+        if self.an_budget is not None:
+            report["available_now_left"] = sum(self.an_budget.values())
+        return report

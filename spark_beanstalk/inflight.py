@@ -36,10 +36,10 @@ from spark_beanstalk.offsets import (
     offset_pending,
 )
 from spark_beanstalk.options import SourceOptions
-from spark_beanstalk.recovery import reacquire, rejected_warning, verify_offset_jobs
+from spark_beanstalk.recovery import reacquire, settle_already_held
+from spark_beanstalk.restart import cleanup_broker, replay_broker
 from spark_beanstalk.source_wire import (
     PIPELINE_WINDOW,
-    Identity,
     delete_jobs,
     failed_commands,
     stats_jobs,
@@ -242,7 +242,7 @@ class InFlight:
         cols = JobColumns(st.ids, st.tubes, bodies, st.pris, st.ttrs, st.reserves, [now_wall_us] * n,
                           [body_digest(x) for x in bodies])
         if not b.held.keys().isdisjoint(cols.ids):
-            cols = self._already_held(b, rc, cols)
+            cols = settle_already_held(b, rc, cols)
         max_reserves = self.opts.max_reserves if check_poison else 0
         if max_reserves and cols.reserves and max(cols.reserves) > max_reserves:
             cols = self._bury_poison(b, rc, cols, max_reserves)
@@ -253,36 +253,9 @@ class InFlight:
             self.wake.set()
         return len(cols.ids)
 
-    def _already_held(self, b: BrokerLink, rc: ResConn, cols: JobColumns) -> JobColumns:
-        """Reserved a job we hold for another batch: its connection died unnoticed and the broker
-        released it. The same job goes back to its batch (or is deleted, if that batch committed);
-        a different job under a reused id is new, and the old one is lost."""
-        keep: list[int] = []
-        for i, jid in enumerate(cols.ids):
-            lot = b.held.get(jid)
-            if lot is None:
-                keep.append(i)
-                continue
-            if not lot.rc.dead:
-                lot.rc.dead = True          # the broker released its jobs: that connection is gone
-                lot.rc.conn.close()
-                b.conns = [c for c in b.conns if c is not lot.rc]
-                b.dirty = True
-            old = lot.batch.jobs.get(b.address)
-            row = old.ids.index(jid) if old is not None else -1
-            if old is None or old.tubes[row] != cols.tubes[i] or old.digests[row] != cols.digests[i]:
-                b.unhold([jid])
-                b.counters.lost_to_restart += 1
-                if lot.batch.offset is None:
-                    lot.batch.drop(b.address, {jid})
-                keep.append(i)
-            elif lot.batch.committed:
-                b.unhold([jid])
-                b.counters.cleaned += delete_jobs(rc.conn, [jid])
-            else:
-                b.hold(rc, lot.batch, [jid], [cols.ttrs[i]], time.monotonic())
-                b.counters.reacquired += 1
-        return cols.keep(keep)
+    def _admit_replayed(self, b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], bodies: list[bytes]) -> int:
+        """A replayed batch is replayed whole: no poison check (it was planned with these jobs)."""
+        return self._admit(b, rc, batch, ids, bodies, check_poison=False)
 
     def _bury_poison(self, b: BrokerLink, rc: ResConn, cols: JobColumns, max_reserves: int) -> JobColumns:
         """Bury the jobs reserved more than max_reserves times; returns the others."""
@@ -342,10 +315,11 @@ class InFlight:
     # --- committing and deleting ------------------------------------------------------------------
     def commit(self, upto_seq: int) -> None:
         """Spark committed every batch up to `upto_seq`: their jobs are owed a delete."""
-        for seq in sorted(s for s in self.batches if s <= upto_seq):
-            batch = self.batches.pop(seq)
-            batch.committed = True
-            self.committed.append(batch)
+        with self.delete_lock:
+            for seq in sorted(s for s in self.batches if s <= upto_seq):
+                batch = self.batches.pop(seq)
+                batch.committed = True
+                self.committed.append(batch)
 
     def flush_deletes(self) -> None:
         """Delete the jobs of committed batches on every broker that can be reached."""
@@ -381,7 +355,9 @@ class InFlight:
     def owed_deletes(self) -> dict[str, BrokerJobs]:
         """Per broker, the jobs of committed batches not deleted yet (carried in the next offset)."""
         owed: dict[str, tuple[list[int], list[str], list[int]]] = {}
-        for batch in self.committed:
+        with self.delete_lock:
+            committed = list(self.committed)
+        for batch in committed:
             for addr, cols in batch.jobs.items():
                 b = self.link(addr)
                 if b is None:
@@ -409,28 +385,7 @@ class InFlight:
                     continue
                 self.wait_up(b)
                 with b.lock:
-                    self._cleanup_broker(b, bj, what)
-
-    def _cleanup_broker(self, b: BrokerLink, bj: BrokerJobs, what: str) -> None:
-        deadline = time.monotonic() + self.opts.replay_wait_seconds
-        todo = bj
-        while True:
-            ok, rejected, present = verify_offset_jobs(b, todo)
-            rejected_warning(b, what, [j for j in rejected if j in present])  # vanished ones were deleted
-            ready = [j for j, ident in ok.items() if ident.state != "reserved"]
-            assert b.control is not None
-            if ready:
-                b.counters.cleaned += delete_jobs(b.control, sorted(ready))
-            waiting = sorted(j for j, ident in ok.items() if ident.state == "reserved")
-            if not waiting or time.monotonic() > deadline:
-                if waiting:
-                    log.warning("beanstalk source: %d committed jobs on %s are still reserved elsewhere after "
-                                "%.0fs; they may be delivered again", len(waiting), b.address,
-                                self.opts.replay_wait_seconds)
-                return
-            time.sleep(0.1)
-            # the same jobs, checked again (their digests are known now)
-            todo = BrokerJobs(bj.sid, waiting, [])
+                    cleanup_broker(b, bj, what, self.opts.replay_wait_seconds)
 
     def replay(self, end: Offset) -> Batch:
         """Rebuild a planned-but-uncommitted batch from its offset alone (restart from a checkpoint)."""
@@ -448,56 +403,10 @@ class InFlight:
                     log.warning("beanstalk source: broker %s restarted since batch %d was planned (server id %s -> "
                                 "%s); its jobs will be read again as new jobs", addr, seq, bj.sid, b.sid)
                     continue
-                self._replay_broker(b, batch, bj)
+                replay_broker(b, batch, bj, self.opts.replay_wait_seconds, self._admit_replayed)
         batch.offset = end
         self.batches[seq] = batch
         return batch
-
-    def _replay_broker(self, b: BrokerLink, batch: Batch, bj: BrokerJobs) -> None:
-        ok, rejected, _ = verify_offset_jobs(b, bj)
-        rejected_warning(b, f"batch {batch.seq}", rejected)
-        deadline = time.monotonic() + self.opts.replay_wait_seconds
-        todo = [j for j in bj.ids if j in ok]
-        while todo:
-            waiting = self._replay_some(b, batch, todo, ok)
-            if not waiting or time.monotonic() > deadline:
-                if waiting:
-                    log.warning("beanstalk source: %d jobs of batch %d on %s are still reserved elsewhere after "
-                                "%.0fs; replaying without them", len(waiting), batch.seq, b.address,
-                                self.opts.replay_wait_seconds)
-                return
-            todo = waiting
-            time.sleep(0.1)
-
-    def _replay_some(self, b: BrokerLink, batch: Batch, ids: list[int], known: dict[int, Identity]) -> list[int]:
-        """reserve-job each id; returns the ids held by someone else (worth waiting for)."""
-        missing: list[int] = []
-        idx, pos = 0, 0
-        while pos < len(ids):
-            idx, rc = b.conn_with_room(idx)
-            chunk = ids[pos:pos + min(self.opts.jobs_per_connection - rc.count, PIPELINE_WINDOW)]
-            pos += len(chunk)
-            got, bodies, wrong = [], [], []
-            for jid, (line, body) in zip(chunk, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in chunk])):
-                if body is None or not line.startswith(b"RESERVED "):
-                    missing.append(jid)
-                elif body_digest(body) != known[jid].digest:
-                    wrong.append(jid)     # another job took the id between the check and now
-                else:
-                    got.append(jid)
-                    bodies.append(body)
-            if wrong:
-                failed_commands(rc.conn, [b"release %d 0 0\r\n" % j for j in wrong], b"RELEASED")
-                rejected_warning(b, f"batch {batch.seq}", wrong)
-            if got:
-                # A replayed batch is replayed whole: no poison check (it was planned with these jobs).
-                self._admit(b, rc, batch, got, bodies, check_poison=False)
-                b.counters.replayed += len(got)
-        if not missing:
-            return []
-        assert b.control is not None
-        return [j for j, ident in verify_offset_jobs(b, BrokerJobs(b.sid, missing, [])).ok.items()
-                if ident.state == "reserved"]
 
     # --- the worker: owed deletes, reconnecting, read-ahead -------------------------------------------
     def _worker_loop(self) -> None:

@@ -83,7 +83,9 @@ def _check(b: BrokerLink, conn: Connection, ids: list[int], cols: JobColumns, in
     lost: list[int] = []
     for jid in ids:
         got, i = found.get(jid), index.get(jid)
-        if got is None or i is None or got.tube != cols.tubes[i] or got.digest != cols.digests[i]:
+        if got is None and batch.committed:
+            b.unhold([jid])         # a committed job that is gone: deleted before the connection died
+        elif got is None or i is None or got.tube != cols.tubes[i] or got.digest != cols.digests[i]:
             lost.append(jid)
         elif got.state != "reserved":
             same.append(jid)
@@ -157,3 +159,34 @@ def rejected_warning(b: BrokerLink, what: str, rejected: Sequence[int]) -> None:
         log.warning("beanstalk source: %d jobs of %s on %s are gone or are other jobs now (a broker restart "
                     "without its binlog?); left alone", len(rejected), what, b.address)
 
+
+def settle_already_held(b: BrokerLink, rc: ResConn, cols: JobColumns) -> JobColumns:
+    """Reserved a job we hold for another batch: its connection died unnoticed and the broker
+    released it. The same job goes back to its batch (or is deleted, if that batch committed);
+    a different job under a reused id is new, and the old one is lost."""
+    keep: list[int] = []
+    for i, jid in enumerate(cols.ids):
+        lot = b.held.get(jid)
+        if lot is None:
+            keep.append(i)
+            continue
+        if not lot.rc.dead:
+            lot.rc.dead = True          # the broker released its jobs: that connection is gone
+            lot.rc.conn.close()
+            b.conns = [c for c in b.conns if c is not lot.rc]
+            b.dirty = True
+        old = lot.batch.jobs.get(b.address)
+        row = old.ids.index(jid) if old is not None else -1
+        if old is None or old.tubes[row] != cols.tubes[i] or old.digests[row] != cols.digests[i]:
+            b.unhold([jid])
+            b.counters.lost_to_restart += 1
+            if lot.batch.offset is None:
+                lot.batch.drop(b.address, {jid})
+            keep.append(i)
+        elif lot.batch.committed:
+            b.unhold([jid])
+            b.counters.cleaned += delete_jobs(rc.conn, [jid])
+        else:
+            b.hold(rc, lot.batch, [jid], [cols.ttrs[i]], time.monotonic())
+            b.counters.reacquired += 1
+    return cols.keep(keep)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from spark_beanstalk.batch import Batch, JobColumns
@@ -44,25 +43,11 @@ from spark_beanstalk.source_wire import (
     failed_commands,
     stats_jobs,
 )
+from spark_beanstalk.touch import Timing, Toucher
 
 log = logging.getLogger("spark_beanstalk.source")
 
 _RESETS_PER_CALL = 3      # reconnects one call may do before it leaves the broker for later
-
-
-@dataclass
-class Timing:
-    """Milliseconds spent, shown in the query's progress."""
-
-    reserve_ms: float = 0.0
-    prefetch_ms: float = 0.0
-    stats_ms: float = 0.0
-    touch_ms: float = 0.0
-    delete_ms: float = 0.0
-    partitions_ms: float = 0.0
-
-    def rounded(self) -> dict[str, float]:
-        return {k: round(v, 1) for k, v in asdict(self).items()}
 
 
 class InFlight:
@@ -82,9 +67,9 @@ class InFlight:
         self.polls = 0
         self.stopping = False
         self.worker_error: BaseException | None = None
-        self.touch_error: str | None = None
         self.wake = threading.Event()     # touch thread
         self.work = threading.Event()     # worker
+        self.toucher = Toucher(self.brokers, opts.touch_fraction, self.timing, self.wake, self.work)
         self._threads: list[threading.Thread] = []
 
     # --- life cycle -----------------------------------------------------------------------
@@ -97,7 +82,7 @@ class InFlight:
             b = self.brokers[0]
             raise BeanstalkSourceError(f"beanstalk source: cannot reach broker {b.address} ({b.last_error}); "
                                        "check the 'hosts' option")
-        for target, name in ((self._touch_loop, "beanstalk-touch"), (self._worker_loop, "beanstalk-worker")):
+        for target, name in ((self.toucher.run, "beanstalk-touch"), (self._worker_loop, "beanstalk-worker")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -105,13 +90,14 @@ class InFlight:
     def close(self) -> None:
         try:
             self.flush_deletes()    # committed batches must not come back
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (stop must go on closing)
             log.warning("beanstalk source: deletes at stop failed: %s", exc)
         self.abandon()
 
     def abandon(self) -> None:
         """Close every connection without deleting anything (what a crash looks like to the brokers)."""
         self.stopping = True
+        self.toucher.stopping = True
         self.work.set()
         self.wake.set()
         for b in self.brokers:
@@ -126,9 +112,9 @@ class InFlight:
         if self.worker_error is not None:
             err, self.worker_error = self.worker_error, None
             raise err
-        if self.touch_error:
-            log.warning("beanstalk source: touch thread: %s", self.touch_error)
-            self.touch_error = None
+        if self.toucher.error:
+            log.warning("beanstalk source: touch thread: %s", self.toucher.error)
+            self.toucher.error = None
         bound = self.opts.broker_retry_seconds
         for b in self.brokers:
             if b.down_since is not None and b.down_for() > bound:
@@ -423,7 +409,7 @@ class InFlight:
                             t0 = time.perf_counter()
                             got = self.fill(self.pool, room)
                             self.timing.prefetch_ms += (time.perf_counter() - t0) * 1000
-            except BaseException as exc:   # surfaced by the next latestOffset
+            except BaseException as exc:  # noqa: BLE001  (surfaced by the next latestOffset)
                 self.worker_error = exc
                 self.prefetch_cap = 0
             if got:
@@ -438,45 +424,6 @@ class InFlight:
             if b.dirty or not b.connected():
                 with b.lock:
                     reacquire(b, self.opts.replay_wait_seconds)
-
-    # --- the touch thread -------------------------------------------------------------------------------
-    def _touch_loop(self) -> None:
-        fraction = self.opts.touch_fraction
-        while not self.stopping:
-            now = time.monotonic()
-            next_due = now + 1.0
-            for b in self.brokers:
-                with b.lock:
-                    groups: dict[ResConn, list[int]] | None = None
-                    for rc in list(b.conns):
-                        if not rc.count or rc.dead:
-                            continue
-                        due = rc.touch_due(fraction)
-                        if due <= now:
-                            if groups is None:
-                                groups = b.held_by_conn()
-                            self._touch_conn(b, rc, groups.get(rc, []))
-                            due = rc.touch_due(fraction)
-                        next_due = min(next_due, due)
-            self.wake.wait(max(0.005, next_due - time.monotonic()))
-            self.wake.clear()
-
-    def _touch_conn(self, b: BrokerLink, rc: ResConn, ids: list[int]) -> None:
-        t0 = time.perf_counter()
-        started = time.monotonic()
-        try:
-            failed = failed_commands(rc.conn, [b"touch %d\r\n" % j for j in ids], b"TOUCHED")
-            b.counters.touched += len(ids) - len(failed)
-            for i in failed:
-                b.counters.lost += 1
-                self.touch_error = f"job {ids[i]} on {b.address} could not be touched"
-            b.unhold([ids[i] for i in failed])
-            rc.last_touch = started
-        except ConnectionLost as exc:
-            self.touch_error = f"{b.address}: {exc}"
-            b.reset(exc)
-            self.work.set()
-        self.timing.touch_ms += (time.perf_counter() - t0) * 1000
 
     # --- progress --------------------------------------------------------------------------------------
     def report(self, batches_held: int) -> dict[str, Any]:

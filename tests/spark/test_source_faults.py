@@ -202,6 +202,7 @@ def test_proxy_cuts_every_connection(spark, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.timeout(420)
 def test_one_broker_down_then_past_the_bound(spark, kind, tmp_path):
     """Two brokers. B down for less than brokerRetrySeconds: A keeps being read. B killed while a
     batch with its jobs is written and kept down: the query fails naming B; restarted from its
@@ -296,3 +297,38 @@ def test_restart_without_binlog_reuses_ids(spark, kind, tmp_path):
     assert set(later) == {x.decode() for x in new}, "every new job delivered, and only new jobs after batch 0"
     assert max(later.values()) == 1
     assert state["lost_to_restart"] >= len(first)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reader_level_commit_after_binlog_loss_deletes_no_new_job(kind, tmp_path):
+    """Without Spark (the driver-side reader driven by hand, seconds): batch 1 is planned, the broker
+    comes back without its binlog and gets new jobs under the same ids; committing batch 1 deletes
+    none of them, and the next batch reads them as new jobs."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.offsets import decode_ranges
+    from spark_beanstalk.options import SourceOptions
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
+
+    srv = start_server(kind, tmp_path / "binlog")
+    reader = BeanstalkStreamReader(SourceOptions.parse({"hosts": srv.address, "tubes": "t", "prefetch": "false"}),
+                                   SCHEMA)
+    try:
+        old_ids = put(srv, "t", bodies(srv, "old", 5))
+        start = reader.initialOffset()
+        end1 = reader.latestOffset(start, ReadMaxRows(100))
+        assert decode_ranges(end1["jobs"][srv.address]["ids"]) == old_ids
+        restart(srv, tmp_path / "empty-binlog")
+        new_ids = put(srv, "t", bodies(srv, "new", 5))
+        assert new_ids == old_ids
+        end2 = reader.latestOffset(end1, ReadMaxRows(100))          # batch 1 committed: its deletes run
+        assert decode_ranges(end2["jobs"][srv.address]["ids"]) == new_ids, "the new jobs are read as new jobs"
+        rows = [r for p in reader.partitions(end1, end2) for batch in reader.read(p) for r in batch.to_pylist()]
+        assert sorted(r["body"] for r in rows) == sorted(bodies(srv, "new", 5))
+        report = reader.reportLatestOffset()
+        assert report["lost_to_restart"] == 5 and report["deleted"] == 0 and report["reconnects"] == 1
+        reader.latestOffset(end2, ReadMaxRows(100))                 # batch 2 committed
+        assert left_in(srv, "t") == 0
+    finally:
+        reader.stop()
+        srv.stop()

@@ -21,8 +21,8 @@ from spark_beanstalk.embedded import (
 
 __all__ = [
     "ServerExitedEarly",
-    "TcpProxy",
     "ServerProcess",
+    "TcpProxy",
     "beanstalkd_process",
     "broker_process",
     "free_port",

@@ -155,7 +155,7 @@ def test_broker_killed_three_times(spark, kind, tmp_path):
         put(srv, "t", more)
         expected |= {(srv.address, b.decode()) for b in more}
         wait_delivered(sink, expected, [srv], query)
-        state = wait_until(lambda: (r := report(query)).get("brokers", {}).get(srv.address), 30, what="progress")
+        state = wait_until(lambda: report(query).get("brokers", {}).get(srv.address), 30, what="progress")
         assert query.isActive and query.exception() is None
     finally:
         if query is not None:

@@ -226,7 +226,8 @@ def clear_dir(path: str, must_contain: Iterable[str] = ()) -> None:
 
 def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict[str, int]]:
     """stats-tube of each tube summed over the brokers in `hosts` (missing tubes count 0)."""
-    from spark_beanstalk.client import Connection, parse_hosts
+    from beanstalk_rules.hosts import parse_hosts
+    from spark_beanstalk.client import Connection
 
     keys = ("current-jobs-ready", "current-jobs-reserved", "current-jobs-delayed", "current-jobs-buried",
             "total-jobs", "cmd-delete")

@@ -44,6 +44,7 @@ CONTROL_COLUMNS = ("tube", "priority", "delay", "ttr")
 DEFAULT_MAX_JOB_SIZE = 65535          # beanstalkd's default, used when `stats` does not say
 MARKER_PREFIX = "sbw."
 MARKER_DELAY = 2**31 - 1              # markers are delayed jobs nobody will ever get
+MAX_BACKOFF = 5.0                     # seconds: longest pause between reconnect rounds
 CHUNK_ROWS = 8192                     # rows per chunk for the Row-based writers
 _INT_TYPES = ("byte", "short", "int", "integer", "long", "bigint", "tinyint", "smallint")
 
@@ -415,6 +416,7 @@ class PartitionWriter:
         self.failures: list[RowFailure] = []      # refused at send time
         self._resync: list[Entry] = []            # rows to send again after a desynchronised reply stream
         self.resyncs = 0
+        self.outage_since: float | None = None    # monotonic time every broker was first found down
 
     # -- phase 1: validate and encode every row of the partition -------------------------
     def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
@@ -478,16 +480,7 @@ class PartitionWriter:
     def _reassign(self, entries: list[Entry], pending: dict[int, list[Entry]]) -> None:
         alive = self.pool.alive()
         if not alive:
-            if self.pool.rounds >= self.opts.retries:
-                raise BeanstalkUnavailableError(
-                    f"beanstalk write failed (partition {self.partition}"
-                    + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
-                    + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s): "
-                    f"{self.pool.unavailable_message()}. {self.put} row(s) of this partition were put, "
-                    f"{len(entries) + sum(len(v) for v in pending.values())} were not.")
-            self.pool.rounds += 1
-            time.sleep(self.opts.retry_interval)
-            self.pool.down.clear()
+            self._wait_for_brokers(len(entries) + sum(len(v) for v in pending.values()))
             alive = list(range(self.n_hosts))
         self.failovers += len(entries)
         alive_set = set(alive)
@@ -503,6 +496,34 @@ class PartitionWriter:
             for j, e in enumerate(entries):
                 pending.setdefault(alive[j % len(alive)], []).append(e)
 
+    def _wait_for_brokers(self, unsent: int) -> None:
+        """Every broker is down: wait with backoff and let them all be tried again.
+
+        Gives up (BeanstalkUnavailableError naming each broker) after `retries` rounds
+        once `brokerRetrySeconds` have passed since the outage began, so a broker
+        restart is ridden through and a broker that stays down fails the task.
+        """
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+        elapsed = now - self.outage_since
+        bound = self.opts.broker_retry_seconds
+        if self.pool.rounds >= self.opts.retries and elapsed >= bound:
+            raise BeanstalkUnavailableError(
+                f"beanstalk write failed (partition {self.partition}"
+                + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
+                + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s) over {elapsed:.0f}s "
+                f"(brokerRetrySeconds={bound:g}): {self.pool.unavailable_message()}. "
+                f"{self.put} row(s) of this partition were put, {unsent} were not.")
+        step = self.opts.retry_interval * (2 ** min(self.pool.rounds, 6))
+        pause = min(max(step, 0.05), MAX_BACKOFF, max(bound - elapsed, self.opts.retry_interval))
+        if self.pool.rounds == 0 or self.pool.rounds % 10 == 0:
+            log.warning("beanstalk writer (partition %s): every broker is down (%s); retrying for up to %gs",
+                        self.partition, self.pool.unavailable_message(), bound)
+        self.pool.rounds += 1
+        time.sleep(pause)
+        self.pool.down.clear()
+
     def send(self, by_host: list[list[Entry]]) -> None:
         pending: dict[int, list[Entry]] = {h: rows for h, rows in enumerate(by_host) if rows}
         while pending:
@@ -514,6 +535,7 @@ class PartitionWriter:
             if conn is None:
                 self._reassign(entries, pending)
                 continue
+            self.outage_since = None
             retry = self._send_to(h, conn, entries)
             if self._resync:
                 # the reply stream went out of step: the rows after the refused put are
@@ -658,8 +680,12 @@ def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions
 
 
 # --------------------------------------------------------------------------------------
-# Batch markers: a completed batch id is recorded in the brokers themselves
+# Batch markers: the last completed batch id, kept in the brokers themselves
 # --------------------------------------------------------------------------------------
+# A streaming query completes its micro-batches in order (batch N+1 starts only after N
+# is committed), and on restart Spark re-runs only the last planned, uncommitted batch.
+# So "batch N is complete" is "N <= the last completed batch id": one marker job per
+# writer namespace, in one tube, replaced at every batch, is enough.
 def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str:
     """Marker namespace: the writerId option as given, else the query id plus a digest of the target."""
     if explicit:
@@ -672,52 +698,99 @@ def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str
     return base
 
 
-def marker_tube(namespace: str, batch_id: int) -> str:
+def marker_tube(namespace: str) -> str:
+    """The one tube holding a namespace's marker job."""
+    return f"{MARKER_PREFIX}{namespace}"
+
+
+def legacy_marker_tube(namespace: str, batch_id: int) -> str:
+    """Where versions up to 0.1 kept one marker per batch (still honoured, and cleaned up)."""
     return f"{MARKER_PREFIX}{namespace}.{batch_id}"
 
 
+def _connect(opts: WriterOptions, host: str, port: int) -> Connection:
+    return Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
+                      **opts.security.connect_kwargs())
+
+
+def _last_completed(conn: Connection, namespace: str) -> int | None:
+    """The batch id of the marker in the namespace's tube on this broker, or None."""
+    conn.use(marker_tube(namespace))
+    job = conn.peek_delayed() or conn.peek_ready() or conn.peek_buried()
+    if job is None:
+        return None
+    try:
+        return int(json.loads(job.body)["batch_id"])
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed marker job %s in %s", job.id, marker_tube(namespace))
+        return None
+
+
+def _holds_legacy_marker(conn: Connection, namespace: str, batch_id: int) -> bool:
+    st = conn.stats_tube(legacy_marker_tube(namespace, batch_id))
+    return bool(st) and sum(int(st.get(k, 0) or 0) for k in
+                            ("current-jobs-delayed", "current-jobs-ready", "current-jobs-buried")) > 0
+
+
 def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
-    """The address of a broker holding the completion marker of this batch, or None."""
-    tube = marker_tube(namespace, batch_id)
+    """The address of a broker on which this batch is recorded as completed, or None.
+
+    Completed: at most ``markerRetain`` batches behind the last completed batch id.
+    """
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
-                            **opts.security.connect_kwargs()) as conn:
-                st = conn.stats_tube(tube)
+            with _connect(opts, host, port) as conn:
+                last = _last_completed(conn, namespace)
+                if last is not None and last - opts.marker_retain < batch_id <= last:
+                    return f"{host}:{port}"
+                if _holds_legacy_marker(conn, namespace, batch_id):
+                    return f"{host}:{port}"
         except (ConnectionLost, OSError):
             continue
         except Exception as exc:
             log.warning("marker check on %s:%s failed: %s", host, port, exc)
-            continue
-        if st and int(st.get("current-jobs-delayed", 0) or 0) + int(st.get("current-jobs-ready", 0) or 0) + \
-                int(st.get("current-jobs-buried", 0) or 0) > 0:
-            return f"{host}:{port}"
     return None
 
 
-def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Mapping) -> int:
-    """Record batch completion on every reachable broker; drop the marker `markerRetain` batches back.
+def _delete_all(conn: Connection, tube: str, keep: int | None = None) -> int:
+    """Delete the jobs of a tube (but `keep`); markers are never reserved, so peek finds them all."""
+    conn.use(tube)
+    deleted = 0
+    for peek in (conn.peek_delayed, conn.peek_ready, conn.peek_buried):
+        while True:
+            job = peek()
+            if job is None or job.id == keep or not conn.delete(job.id):
+                break
+            deleted += 1
+    return deleted
 
+
+def _drop_legacy_markers(conn: Connection, namespace: str) -> None:
+    prefix = marker_tube(namespace) + "."
+    for tube in conn.list_tubes():
+        if tube.startswith(prefix) and tube[len(prefix):].isdigit():
+            _delete_all(conn, tube)
+
+
+def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Mapping[str, Any]) -> int:
+    """Record batch completion on every reachable broker, replacing the namespace's previous marker.
+
+    The new marker is put before the old one is deleted, so a crash in between leaves
+    two (the older one is read first: at worst the batch is put again, never lost).
     Returns how many brokers hold the marker. Failing to write it only weakens replay
     detection (the batch itself is complete), so this logs instead of raising.
     """
-    tube = marker_tube(namespace, batch_id)
-    old = marker_tube(namespace, batch_id - opts.marker_retain) if batch_id >= opts.marker_retain else None
+    tube = marker_tube(namespace)
     body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
     written = 0
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
-                            **opts.security.connect_kwargs()) as conn:
+            with _connect(opts, host, port) as conn:
                 conn.use(tube)
-                conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+                new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
                 written += 1
-                if old:
-                    conn.use(old)
-                    while True:
-                        job = conn.peek_delayed()
-                        if job is None or not conn.delete(job.id):
-                            break
+                _delete_all(conn, tube, keep=new_id)
+                _drop_legacy_markers(conn, namespace)
         except Exception as exc:
             log.warning("could not write batch marker %s on %s:%s: %s", tube, host, port, exc)
     if not written:
@@ -771,12 +844,39 @@ class WriteSummary:
 # --------------------------------------------------------------------------------------
 # foreachBatch: beanstalk_put
 # --------------------------------------------------------------------------------------
-def _spark_conf(spark) -> dict:
+def _spark_conf(spark: Any) -> dict[str, str]:
+    """The session's conf; works on classic and Spark Connect sessions (no SparkContext there)."""
     try:
         conf = spark.conf.getAll
         return dict(conf() if callable(conf) else conf)
-    except Exception:
-        return dict(spark.sparkContext.getConf().getAll())
+    except Exception as exc:
+        log.debug("spark.conf.getAll failed (%s); using the SparkContext's conf", exc)
+    if _is_connect(spark):
+        return {}
+    return dict(spark.sparkContext.getConf().getAll())
+
+
+def _is_connect(spark: Any) -> bool:
+    """A Spark Connect session has no SparkContext (touching it raises JVM_ATTRIBUTE_NOT_SUPPORTED)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _streaming_query_id(spark: Any) -> str | None:
+    """The id of the streaming query running this foreachBatch call, when Spark exposes it.
+
+    Classic sessions carry it as the ``sql.streaming.queryId`` local property (stable
+    across restarts from the same checkpoint). Spark Connect (4.3) passes the
+    foreachBatch function only the DataFrame and the batch id, with no way to reach the
+    query, so there the writerId option is the identity.
+    """
+    if _is_connect(spark):
+        return None
+    try:
+        value = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+    except Exception as exc:
+        log.debug("no local property sql.streaming.queryId: %s", exc)
+        return None
+    return str(value) if value else None
 
 
 def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping, dry_run: bool):
@@ -806,6 +906,7 @@ class BeanstalkPut:
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self._options = {str(k): _option_text(v) for k, v in (options or {}).items()}
         self.last_summary: WriteSummary | None = None
+        self._warned_no_identity = False
 
     def options(self, **options: Any) -> "BeanstalkPut":
         merged = dict(self._options)
@@ -829,17 +930,22 @@ class BeanstalkPut:
         spec = ColumnSpec.from_schema(df.schema, opts)
         namespace = None
         if batch_id is not None and opts.dedup:
-            writer_id = opts.writer_id or spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+            writer_id = opts.writer_id or _streaming_query_id(spark)
             if writer_id:
                 namespace = marker_namespace(writer_id, opts, explicit=bool(opts.writer_id))
                 holder = marker_exists(opts, namespace, batch_id)
                 if holder:
-                    log.warning("beanstalk_put: batch %s already completed (marker %s on %s); not putting it again",
-                                batch_id, marker_tube(namespace, batch_id), holder)
+                    log.warning("beanstalk_put: batch %s already completed (marker in %s on %s); not putting it again",
+                                batch_id, marker_tube(namespace), holder)
                     summary = WriteSummary(batch_id=batch_id, skipped=True,
-                                           skipped_reason=f"marker {marker_tube(namespace, batch_id)} on {holder}")
+                                           skipped_reason=f"marker in {marker_tube(namespace)} on {holder}")
                     self.last_summary = summary
                     return summary
+            elif not self._warned_no_identity:
+                self._warned_no_identity = True
+                log.warning("beanstalk_put: no streaming query id is visible here (Spark Connect runs "
+                            "foreachBatch in a server-side session); batch replay detection is off "
+                            "unless you give the writerId option")
         ctx = {"batch_id": batch_id}
         cached = False
         try:

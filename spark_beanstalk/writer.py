@@ -669,6 +669,7 @@ class PartitionWriter:
     def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict:
         return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
                 "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
+                "reconnect_rounds": self.pool.rounds,
                 "hosts": self.per_host, "tubes": self.per_tube, "skipped": False,
                 "dead_letter_files": [dead_file] if dead_file else []}
 
@@ -812,6 +813,7 @@ class WriteSummary:
     buried: int = 0
     dead_lettered: int = 0
     failovers: int = 0
+    reconnect_rounds: int = 0         # waits for a broker to come back (every broker was down)
     partitions: int = 0
     skipped: bool = False
     skipped_reason: str | None = None
@@ -831,6 +833,7 @@ class WriteSummary:
             s.buried += p.get("buried", 0)
             s.dead_lettered += p.get("dead_lettered", 0)
             s.failovers += p.get("failovers", 0)
+            s.reconnect_rounds += p.get("reconnect_rounds", 0)
             for k, v in (p.get("hosts") or {}).items():
                 s.hosts[k] = s.hosts.get(k, 0) + v
             for k, v in (p.get("tubes") or {}).items():

@@ -47,10 +47,13 @@ def _executor_origins(spark: Any) -> list[str]:
     """Where each executor's Python worker imported spark_beanstalk from (cluster runs only)."""
     def origin(_rows: Any) -> Any:
         import os
+        import sys
 
         import spark_beanstalk
 
-        yield f"{os.getpid()}:{spark_beanstalk.__file__}"
+        wheels = [p for p in sys.path if p.endswith(".whl")]
+        yield json.dumps({"pid": os.getpid(), "file": spark_beanstalk.__file__, "wheels": wheels,
+                          "path": sys.path[:4]})
 
     return sorted(set(spark.sparkContext.parallelize(range(4), 4).mapPartitions(origin).collect()))
 

@@ -27,8 +27,9 @@ import os
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.options import (
@@ -67,17 +68,17 @@ class BeanstalkUnavailableError(BeanstalkWriteError):
 class ColumnSpec:
     """Which input columns play which role; picklable, built from a Spark StructType."""
 
-    names: tuple                       # all field names, in order
+    names: tuple[str, ...]             # all field names, in order
     body: str | None                   # the body column's real name, or None: rows as JSON
     tube: str | None
     priority: str | None
     delay: str | None
     ttr: str | None
     key: str | None
-    json_columns: tuple = ()           # columns of the JSON body when there is no body column
+    json_columns: tuple[str, ...] = ()  # columns of the JSON body when there is no body column
 
     @classmethod
-    def from_schema(cls, schema, opts: WriterOptions) -> "ColumnSpec":
+    def from_schema(cls, schema: Any, opts: WriterOptions) -> ColumnSpec:
         fields = {f.name.lower(): f for f in schema.fields}
 
         def role(name: str, allowed: Sequence[str], what: str) -> str | None:
@@ -89,7 +90,7 @@ class ColumnSpec:
                 raise OptionError(
                     f"column {f.name!r} ({what}) must be {' or '.join(sorted(set(allowed)))}, "
                     f"not {f.dataType.simpleString()}")
-            return f.name
+            return str(f.name)
 
         body = role("body", ("string", "binary"), "the job body")
         tube = role("tube", ("string",), "the tube")
@@ -113,25 +114,25 @@ class Chunk:
     """Up to a few thousand rows as Python lists, one per role (None: column absent)."""
 
     n: int
-    bodies: list                       # bytes/str per row (None for null), or JSON-able dicts
+    bodies: list[Any]                  # bytes/str per row (None for null), or JSON-able dicts
     json_rows: bool
-    tubes: list | None = None
-    priorities: list | None = None
-    delays: list | None = None
-    ttrs: list | None = None
-    keys: list | None = None
+    tubes: list[Any] | None = None
+    priorities: list[Any] | None = None
+    delays: list[Any] | None = None
+    ttrs: list[Any] | None = None
+    keys: list[Any] | None = None
 
 
-def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+def _arrow_chunks(batches: Iterable[Any], spec: ColumnSpec) -> Iterator[Chunk]:
     """Arrow RecordBatches -> Chunks (column-wise conversion, the fast path)."""
-    import pyarrow as pa
+    import pyarrow as pa  # type: ignore[import-untyped]
 
     for batch in batches:
         n = batch.num_rows
         if n == 0:
             continue
 
-        def col(name):
+        def col(name: str | None, batch: Any = batch) -> Any:
             return None if name is None else batch.column(batch.schema.get_field_index(name))
 
         if spec.body is not None:
@@ -144,28 +145,28 @@ def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
         else:
             bodies, json_rows = batch.select(list(spec.json_columns)).to_pylist(), True
 
-        def pylist(name):
+        def pylist(name: str | None) -> list[Any] | None:
             c = col(name)
-            return None if c is None else c.to_pylist()
+            return None if c is None else list(c.to_pylist())
 
         yield Chunk(n, bodies, json_rows, pylist(spec.tube), pylist(spec.priority),
                     pylist(spec.delay), pylist(spec.ttr), pylist(spec.key))
 
 
-def _row_chunks(rows: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+def _row_chunks(rows: Iterable[Any], spec: ColumnSpec) -> Iterator[Chunk]:
     """Spark Rows -> Chunks (the Row-based writer variants)."""
     idx = {name: i for i, name in enumerate(spec.names)}
-    buf: list = []
+    buf: list[Any] = []
 
-    def flush(buf):
-        def pick(name):
+    def flush(buf: list[Any]) -> Chunk:
+        def pick(name: str | None) -> list[Any] | None:
             if name is None:
                 return None
             i = idx[name]
             return [r[i] for r in buf]
 
         if spec.body is not None:
-            bodies, json_rows = pick(spec.body), False
+            bodies, json_rows = [r[idx[spec.body]] for r in buf], False
         else:
             cols = [(c, idx[c]) for c in spec.json_columns]
             bodies, json_rows = [{c: r[i] for c, i in cols} for r in buf], True
@@ -181,7 +182,7 @@ def _row_chunks(rows: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
         yield flush(buf)
 
 
-def _json_default(value: Any):
+def _json_default(value: Any) -> Any:
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
@@ -197,7 +198,7 @@ def _json_default(value: Any):
     return str(value)
 
 
-def row_json(row: Mapping) -> bytes:
+def row_json(row: Any) -> bytes:
     """The body of a row without a body column: compact JSON, UTF-8.
 
     Timestamps/dates as ISO 8601 strings, decimals as strings, binary as base64.
@@ -208,7 +209,7 @@ def row_json(row: Mapping) -> bytes:
                       allow_nan=True).encode("utf-8")
 
 
-def tube_problem(name) -> str | None:
+def tube_problem(name: Any) -> str | None:
     """Why beanstalkd would refuse this tube name, or None."""
     if not isinstance(name, str):
         return f"tube {name!r} is not a string"
@@ -222,7 +223,7 @@ def tube_problem(name) -> str | None:
     return None
 
 
-def _key_bytes(key) -> bytes:
+def _key_bytes(key: Any) -> bytes:
     if key is None:
         return b""
     if isinstance(key, (bytes, bytearray)):
@@ -234,7 +235,7 @@ def _key_bytes(key) -> bytes:
     return str(key).encode("utf-8")
 
 
-def key_host(key, n_hosts: int) -> int:
+def key_host(key: Any, n_hosts: int) -> int:
     """Stable host index for a key: CRC-32 of its UTF-8 text modulo the number of hosts.
 
     The same in every process and run (unlike Python's salted hash()), so one key's jobs
@@ -243,7 +244,7 @@ def key_host(key, n_hosts: int) -> int:
     return zlib.crc32(_key_bytes(key)) % n_hosts
 
 
-def _preview(body) -> str:
+def _preview(body: Any) -> str:
     if body is None:
         return "null"
     data = body if isinstance(body, (bytes, bytearray)) else str(body).encode("utf-8", "replace")
@@ -256,7 +257,7 @@ def _preview(body) -> str:
 # --------------------------------------------------------------------------------------
 # An entry is one row ready to send: (row number in partition, tube, encoded put, preferred
 # host index, key for messages)
-Entry = tuple
+Entry = tuple[int, str, bytes, int, Any]
 
 
 @dataclass
@@ -274,7 +275,7 @@ class RowFailure:
         key = f", {key_column}={self.key!r}" if key_column else ""
         return f"row {self.row} of partition {partition}{key} (body {_preview(self.body)}): {self.reason}"
 
-    def record(self, ctx: Mapping) -> dict:
+    def record(self, ctx: Mapping[str, Any]) -> dict[str, Any]:
         body = self.body
         if isinstance(body, str):
             body = body.encode("utf-8")
@@ -285,13 +286,13 @@ class RowFailure:
         return rec
 
 
-def _describe_failures(failures: list[RowFailure], ctx: Mapping, key_column: str | None,
+def _describe_failures(failures: list[RowFailure], ctx: Mapping[str, Any], key_column: str | None,
                        what: str) -> str:
     part = ctx.get("partition", 0)
     batch = ctx.get("batch_id")
     where = f"batch {batch}, " if batch is not None else ""
-    lines = [f"beanstalk write failed ({where}partition {part}): {len(failures)} row(s) {what}; "
-             f"nothing was dropped silently (set deadLetterPath to put the other rows and keep these aside):"]
+    lines = [(f"beanstalk write failed ({where}partition {part}): {len(failures)} row(s) {what}; "
+             f"nothing was dropped silently (set deadLetterPath to put the other rows and keep these aside):")]
     for f in failures[:10]:
         lines.append("  " + f.describe(part, key_column))
     if len(failures) > 10:
@@ -302,11 +303,11 @@ def _describe_failures(failures: list[RowFailure], ctx: Mapping, key_column: str
 class _DeadLetter:
     """JSON-lines file of refused rows under deadLetterPath (local path or a pyarrow.fs URI)."""
 
-    def __init__(self, path: str, ctx: Mapping) -> None:
+    def __init__(self, path: str, ctx: Mapping[str, Any]) -> None:
         self.path = path
         self.ctx = ctx
         self.count = 0
-        self._stream = None
+        self._stream: Any = None
         self.file: str | None = None
 
     def add(self, failures: Iterable[RowFailure]) -> None:
@@ -352,9 +353,9 @@ class _HostPool:
         self.rounds = 0
 
     def connect(self, h: int) -> Connection | None:
-        conn = self.conns.get(h)
-        if conn is not None:
-            return conn
+        existing = self.conns.get(h)
+        if existing is not None:
+            return existing
         if h in self.down:
             return None
         host, port = self.opts.hosts[h]
@@ -365,7 +366,7 @@ class _HostPool:
         except (ConnectionLost, OSError) as exc:
             self.down[h] = f"cannot connect: {exc.__cause__ or exc}"
             return None
-        except Exception as exc:  # a server that does not answer stats still takes puts
+        except Exception as exc:  # noqa: BLE001 - a server that does not answer stats still takes puts
             log.debug("stats on %s failed: %s", self.addresses[h], exc)
             stats = {}
         size = stats.get("max-job-size") if isinstance(stats, dict) else None
@@ -401,7 +402,7 @@ class _HostPool:
 class PartitionWriter:
     """Validates then puts the rows of one partition. Returns a summary dict."""
 
-    def __init__(self, spec: ColumnSpec, opts: WriterOptions, ctx: Mapping) -> None:
+    def __init__(self, spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any]) -> None:
         self.spec = spec
         self.opts = opts
         self.ctx = dict(ctx)
@@ -553,7 +554,7 @@ class PartitionWriter:
     def _send_to(self, h: int, conn: Connection, entries: list[Entry]) -> list[Entry]:
         entries.sort(key=lambda e: e[1])           # stable: row order kept within a tube
         cmds: list[bytes] = []
-        owners: list = []
+        owners: list[Entry | str] = []
         cur = self.pool.used.get(h, "default")
         for e in entries:
             if e[1] != cur:
@@ -564,7 +565,8 @@ class PartitionWriter:
             owners.append(e)
         lost = None
         try:
-            replies = conn.pipeline_lines(cmds, window=self.opts.window)
+            replies = conn.pipeline_lines(  # type: ignore[attr-defined]  # client.py adds it
+                cmds, window=self.opts.window)
         except ConnectionLost as exc:
             replies = getattr(exc, "replies", [])
             lost = f"connection lost: {exc}"
@@ -588,7 +590,7 @@ class PartitionWriter:
                 else:
                     bad_use = f"{address} refused 'use {owner}': {line.decode('latin-1')}"
                 continue
-            if line.startswith(b"INSERTED") or line.startswith(b"BURIED"):
+            if line.startswith((b"INSERTED", b"BURIED")):
                 if bad_use is not None:
                     wrong_tube_ids.append(int(line.split()[1]))
                     self.failures.append(self._failure(owner, bad_use))
@@ -617,7 +619,8 @@ class PartitionWriter:
         if wrong_tube_ids and h in self.pool.conns:
             # undo jobs that landed in the previously used tube
             try:
-                conn.pipeline_lines([b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
+                conn.pipeline_lines(  # type: ignore[attr-defined]  # client.py adds it
+                    [b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
             except ConnectionLost:
                 pass
         if draining:
@@ -635,7 +638,7 @@ class PartitionWriter:
         return RowFailure(entry[0], reason, cmd[head_end + 2:-2], entry[1], int(pri), int(delay), int(ttr), entry[4])
 
     # -- the whole partition ------------------------------------------------------------
-    def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict:
+    def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict[str, Any]:
         opts = self.opts
         try:
             # connect to every broker first: their max-job-size bounds validation
@@ -666,7 +669,7 @@ class PartitionWriter:
         finally:
             self.pool.close()
 
-    def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict:
+    def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict[str, Any]:
         return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
                 "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
                 "reconnect_rounds": self.pool.rounds,
@@ -674,8 +677,8 @@ class PartitionWriter:
                 "dead_letter_files": [dead_file] if dead_file else []}
 
 
-def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions, ctx: Mapping,
-                  dry_run: bool = False) -> dict:
+def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any],
+                  dry_run: bool = False) -> dict[str, Any]:
     """Validate and put one partition's rows; raises BeanstalkWriteError naming bad rows."""
     return PartitionWriter(spec, opts, ctx).run(chunks, dry_run)
 
@@ -728,9 +731,9 @@ def _last_completed(conn: Connection, namespace: str) -> int | None:
 
 
 def _holds_legacy_marker(conn: Connection, namespace: str, batch_id: int) -> bool:
-    st = conn.stats_tube(legacy_marker_tube(namespace, batch_id))
-    return bool(st) and sum(int(st.get(k, 0) or 0) for k in
-                            ("current-jobs-delayed", "current-jobs-ready", "current-jobs-buried")) > 0
+    st = conn.stats_tube(legacy_marker_tube(namespace, batch_id)) or {}
+    return sum(int(st.get(k, 0) or 0) for k in
+               ("current-jobs-delayed", "current-jobs-ready", "current-jobs-buried")) > 0
 
 
 def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
@@ -748,7 +751,7 @@ def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | N
                     return f"{host}:{port}"
         except (ConnectionLost, OSError):
             continue
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed check only weakens replay detection
             log.warning("marker check on %s:%s failed: %s", host, port, exc)
     return None
 
@@ -792,7 +795,7 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
                 written += 1
                 _delete_all(conn, tube, keep=new_id)
                 _drop_legacy_markers(conn, namespace)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
             log.warning("could not write batch marker %s on %s:%s: %s", tube, host, port, exc)
     if not written:
         log.warning("batch %s was put but no broker took its completion marker; a replay would put it again",
@@ -817,12 +820,12 @@ class WriteSummary:
     partitions: int = 0
     skipped: bool = False
     skipped_reason: str | None = None
-    hosts: dict = field(default_factory=dict)
-    tubes: dict = field(default_factory=dict)
-    dead_letter_files: list = field(default_factory=list)
+    hosts: dict[str, int] = field(default_factory=dict)
+    tubes: dict[str, int] = field(default_factory=dict)
+    dead_letter_files: list[str] = field(default_factory=list)
 
     @classmethod
-    def combine(cls, parts: Iterable[Mapping], batch_id: int | None = None) -> "WriteSummary":
+    def combine(cls, parts: Iterable[Mapping[str, Any] | None], batch_id: int | None = None) -> WriteSummary:
         s = cls(batch_id=batch_id)
         for p in parts:
             if p is None:
@@ -852,7 +855,7 @@ def _spark_conf(spark: Any) -> dict[str, str]:
     try:
         conf = spark.conf.getAll
         return dict(conf() if callable(conf) else conf)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure: fall back to the SparkContext
         log.debug("spark.conf.getAll failed (%s); using the SparkContext's conf", exc)
     if _is_connect(spark):
         return {}
@@ -876,14 +879,14 @@ def _streaming_query_id(spark: Any) -> str | None:
         return None
     try:
         value = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - no id is a normal case, not an error
         log.debug("no local property sql.streaming.queryId: %s", exc)
         return None
     return str(value) if value else None
 
 
-def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping, dry_run: bool):
-    def put_arrow_partition(batches):
+def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any], dry_run: bool) -> Any:
+    def put_arrow_partition(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
         from pyspark import TaskContext
 
@@ -911,23 +914,23 @@ class BeanstalkPut:
         self.last_summary: WriteSummary | None = None
         self._warned_no_identity = False
 
-    def options(self, **options: Any) -> "BeanstalkPut":
+    def options(self, **options: Any) -> BeanstalkPut:
         merged = dict(self._options)
         merged.update({k: _option_text(v) for k, v in options.items()})
         WriterOptions.parse(merged)            # fail fast on a typo or a bad value
         return BeanstalkPut(merged)
 
-    def option(self, key: str, value: Any) -> "BeanstalkPut":
+    def option(self, key: str, value: Any) -> BeanstalkPut:
         return self.options(**{key: value})
 
     def __repr__(self) -> str:
         return f"beanstalk_put.options({', '.join(f'{k}={v!r}' for k, v in self._options.items())})"
 
-    def write(self, df) -> WriteSummary:
+    def write(self, df: Any) -> WriteSummary:
         """Put a (batch) DataFrame once; no batch id, so no replay detection."""
         return self(df, None)
 
-    def __call__(self, df, batch_id: int | None = None) -> WriteSummary:
+    def __call__(self, df: Any, batch_id: int | None = None) -> WriteSummary:
         spark = df.sparkSession
         opts = WriterOptions.parse(self._options, _spark_conf(spark))
         spec = ColumnSpec.from_schema(df.schema, opts)
@@ -964,7 +967,7 @@ class BeanstalkPut:
             if cached:
                 df.unpersist()
         summary = WriteSummary.combine((json.loads(r[0]) for r in rows), batch_id)
-        if namespace is not None:
+        if namespace is not None and batch_id is not None:
             write_marker(opts, namespace, batch_id, {"put": summary.put})
         self.last_summary = summary
         return summary
@@ -1000,7 +1003,7 @@ beanstalk_put = BeanstalkPut()
 # --------------------------------------------------------------------------------------
 # Python Data Source writers (called by spark_beanstalk/datasource.py)
 # --------------------------------------------------------------------------------------
-from pyspark.sql.datasource import (  # noqa: E402  (pyspark only needed from here on)
+from pyspark.sql.datasource import (
     DataSourceArrowWriter,
     DataSourceStreamArrowWriter,
     DataSourceStreamWriter,
@@ -1011,9 +1014,13 @@ from pyspark.sql.datasource import (  # noqa: E402  (pyspark only needed from he
 
 @dataclass
 class BeanstalkCommitMessage(WriterCommitMessage):
-    summary: dict
+    summary: dict[str, Any]
     writer_id: str | None = None
     batch_id: int | None = None
+
+
+def _ours(messages: list[WriterCommitMessage | None]) -> list[BeanstalkCommitMessage]:
+    return [m for m in messages if isinstance(m, BeanstalkCommitMessage)]
 
 
 def _task_context() -> tuple[int, str | None, int | None]:
@@ -1036,12 +1043,12 @@ class _BatchWriterBase:
         summary = put_partition(chunks, self.spec, self.opts, {"partition": partition})
         return BeanstalkCommitMessage(summary)
 
-    def commit(self, messages) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.info("beanstalk write committed: %s rows put, %s dead-lettered", s.put, s.dead_lettered)
 
-    def abort(self, messages) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.warning("beanstalk write aborted: %s rows had been put by the partitions that succeeded "
                     "(puts cannot be taken back)", s.put)
 
@@ -1049,14 +1056,14 @@ class _BatchWriterBase:
 class BeanstalkArrowWriter(_BatchWriterBase, DataSourceArrowWriter):
     """``df.write.format("beanstalk")``: Arrow batches in (the faster variant)."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(_arrow_chunks(iterator, self.spec))
 
 
 class BeanstalkRowWriter(_BatchWriterBase, DataSourceWriter):
     """``df.write.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(_row_chunks(iterator, self.spec))
 
 
@@ -1071,7 +1078,7 @@ class _StreamWriterBase:
         wid = self.opts.writer_id or query_id
         return marker_namespace(wid, self.opts, explicit=bool(self.opts.writer_id)) if wid else None
 
-    def _write(self, make_chunks) -> BeanstalkCommitMessage:
+    def _write(self, make_chunks: Callable[[], Iterator[Chunk]]) -> BeanstalkCommitMessage:
         partition, query_id, batch_id = _task_context()
         namespace = self._namespace(query_id)
         if namespace is not None and batch_id is not None:
@@ -1083,8 +1090,8 @@ class _StreamWriterBase:
         summary = put_partition(make_chunks(), self.spec, self.opts, {"partition": partition, "batch_id": batch_id})
         return BeanstalkCommitMessage(summary, query_id, batch_id)
 
-    def commit(self, messages, batchId) -> None:
-        msgs = [m for m in messages if m is not None]
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        msgs = _ours(messages)
         s = WriteSummary.combine((m.summary for m in msgs), batchId)
         query_id = next((m.writer_id for m in msgs if m.writer_id), None)
         namespace = self._namespace(query_id)
@@ -1092,8 +1099,8 @@ class _StreamWriterBase:
             write_marker(self.opts, namespace, batchId, {"put": s.put})
         log.info("beanstalk sink batch %s committed: %s rows put", batchId, s.put)
 
-    def abort(self, messages, batchId) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.warning("beanstalk sink batch %s aborted: %s rows had been put by the partitions that succeeded; "
                     "Spark will run the batch again (at-least-once)", batchId, s.put)
 
@@ -1101,32 +1108,32 @@ class _StreamWriterBase:
 class BeanstalkStreamArrowWriter(_StreamWriterBase, DataSourceStreamArrowWriter):
     """``df.writeStream.format("beanstalk")``: Arrow batches in (the faster variant)."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(lambda: _arrow_chunks(iterator, self.spec))
 
 
 class BeanstalkStreamRowWriter(_StreamWriterBase, DataSourceStreamWriter):
     """``df.writeStream.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(lambda: _row_chunks(iterator, self.spec))
 
 
-def make_batch_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceWriter:
+def make_batch_writer(options: Mapping[str, str], schema: Any, overwrite: bool) -> DataSourceWriter:
     """The writer for ``df.write.format("beanstalk")``; ``overwrite`` is ignored (tubes are appended to)."""
     opts = WriterOptions.parse(options, _active_conf())
     spec = ColumnSpec.from_schema(schema, opts)
     return (BeanstalkArrowWriter if opts.arrow else BeanstalkRowWriter)(opts, spec)
 
 
-def make_stream_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceStreamWriter:
+def make_stream_writer(options: Mapping[str, str], schema: Any, overwrite: bool) -> DataSourceStreamWriter:
     """The writer for ``df.writeStream.format("beanstalk")``."""
     opts = WriterOptions.parse(options, _active_conf())
     spec = ColumnSpec.from_schema(schema, opts)
     return (BeanstalkStreamArrowWriter if opts.arrow else BeanstalkStreamRowWriter)(opts, spec)
 
 
-def _active_conf() -> dict:
+def _active_conf() -> dict[str, str]:
     """``spark.beanstalk.*`` defaults, when a SparkSession is reachable from this process.
 
     The data source's writer() runs in a Python worker with no SparkSession; there Spark
@@ -1137,5 +1144,5 @@ def _active_conf() -> dict:
 
         spark = SparkSession.getActiveSession()
         return _spark_conf(spark) if spark is not None else {}
-    except Exception:
+    except Exception:  # noqa: BLE001 - no session reachable: options and defaults only
         return {}

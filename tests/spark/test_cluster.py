@@ -18,15 +18,23 @@ import time
 
 import pytest
 
-from tests.spark.test_connect import APP, REPO, app_env, check_chain, enqueue, run_app, spark_bin
+from tests.spark.test_connect import (
+    APP,
+    REPO,
+    app_env,
+    check_chain,
+    enqueue,
+    run_app,
+    spark_bin,
+)
 
 
 def build_wheel(out_dir: str) -> str:
     """`pip wheel --no-deps .` (offline when setuptools>=68 and wheel are installed: the test extra)."""
     base = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out_dir]
-    proc = subprocess.run([*base, "--no-build-isolation", REPO], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*base, "--no-build-isolation", REPO], check=False, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        proc = subprocess.run([*base, REPO], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([*base, REPO], check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = glob.glob(os.path.join(out_dir, "spark_beanstalk-*.whl"))
     return wheel

@@ -62,7 +62,7 @@ def check_chain(a, b, bodies: list[str], result: dict) -> None:
 
 
 def run_app(argv: list[str], config: dict, env: dict[str, str], timeout: float) -> dict:
-    proc = subprocess.run([*argv, json.dumps(config)], capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([*argv, json.dumps(config)], check=False, capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=config["work"])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -73,24 +73,23 @@ def run_app(argv: list[str], config: dict, env: dict[str, str], timeout: float) 
 def connect_server(tmp_path):
     """`spark-submit --class ...SparkConnectServer`: the connect jar ships in pyspark's jars/."""
     port = free_port()
-    log = open(tmp_path / "connect-server.log", "wb")
     argv = [spark_bin("spark-submit"), "--master", "local[2]",
             "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
             "--conf", f"spark.connect.grpc.binding.port={port}",
             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
             "--conf", "spark.sql.shuffle.partitions=2"]
-    server = subprocess.Popen(argv, stdout=log, stderr=log, env=app_env(), stdin=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 120, server)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        server.terminate()
+    with open(tmp_path / "connect-server.log", "wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=log, env=app_env(), stdin=subprocess.DEVNULL)
         try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
-        log.close()
+            wait_for_port("127.0.0.1", port, 180, server)
+            yield f"sc://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
 
 
 @pytest.mark.timeout(600)

@@ -12,7 +12,13 @@ import pytest
 
 from spark_beanstalk.client import Connection
 from spark_beanstalk.options import WriterOptions
-from spark_beanstalk.writer import legacy_marker_tube, marker_exists, marker_namespace, marker_tube, write_marker
+from spark_beanstalk.writer import (
+    legacy_marker_tube,
+    marker_exists,
+    marker_namespace,
+    marker_tube,
+    write_marker,
+)
 from tests.helpers import drain_tube
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +51,7 @@ def _run(config: dict, expect_killed: bool) -> dict | None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                PYSPARK_PYTHON=sys.executable, SPARK_CONF_DIR=os.path.join(REPO, "conf"))
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "spark", "replay_app.py"), json.dumps(config)],
-                          capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
+                          check=False, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
     if expect_killed:
         assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
         return None

@@ -147,7 +147,10 @@ def _arrow_chunks(batches: Iterable[Any], spec: ColumnSpec) -> Iterator[Chunk]:
 
         def pylist(name: str | None) -> list[Any] | None:
             c = col(name)
-            return None if c is None else list(c.to_pylist())
+            if c is None:
+                return None
+            values: list[Any] = c.to_pylist()
+            return values
 
         yield Chunk(n, bodies, json_rows, pylist(spec.tube), pylist(spec.priority),
                     pylist(spec.delay), pylist(spec.ttr), pylist(spec.key))

@@ -51,9 +51,7 @@ def _executor_origins(spark: Any) -> list[str]:
 
         import spark_beanstalk
 
-        wheels = [p for p in sys.path if p.endswith(".whl")]
-        yield json.dumps({"pid": os.getpid(), "file": spark_beanstalk.__file__, "wheels": wheels,
-                          "path": sys.path[:4]})
+        yield json.dumps({"pid": os.getpid(), "file": spark_beanstalk.__file__, "path": sys.path[:3]})
 
     return sorted(set(spark.sparkContext.parallelize(range(4), 4).mapPartitions(origin).collect()))
 

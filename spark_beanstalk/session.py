@@ -29,8 +29,6 @@ def get_spark(app_name: str = "spark-beanstalk", master: str = "local[2]", **con
         .config("spark.sql.streaming.metricsEnabled", "false")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
-        # a busy small machine can take longer than the default 15 s to start a Python worker
-        .config("spark.python.authenticate.socketTimeout", "120s")
     )
     for key, value in conf.items():
         builder = builder.config(key.replace("__", "."), value)

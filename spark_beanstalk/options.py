@@ -252,7 +252,8 @@ class WriterOptions:
     timeout: float = 30.0                     # socket read timeout, seconds
     connect_timeout: float = 5.0
     retries: int = 2                          # extra rounds when every host is unavailable
-    retry_interval: float = 1.0               # seconds between those rounds
+    retry_interval: float = 1.0               # seconds between those rounds (first backoff step)
+    broker_retry_seconds: float = 180.0       # keep reconnecting this long when every host is down; 0: fail fast
     dedup: bool = True                        # skip a batch id whose completion marker exists
     writer_id: str | None = None              # marker namespace; default: the streaming query id
     marker_retain: int = 1000                 # markers kept per writer id
@@ -261,7 +262,8 @@ class WriterOptions:
 
     KEYS = ("hosts", "tube", "priority", "delay", "ttr", "keyColumn", "distribution",
             "deadLetterPath", "validate", "maxJobSize", "window", "timeout", "connectTimeout",
-            "retries", "retryInterval", "dedup", "writerId", "markerRetain", "arrow") + Security.KEYS
+            "retries", "retryInterval", "brokerRetrySeconds", "dedup", "writerId", "markerRetain",
+            "arrow") + Security.KEYS
 
     @classmethod
     def conf_defaults(cls, conf: Mapping[str, str] | None) -> dict[str, str]:
@@ -315,6 +317,7 @@ class WriterOptions:
             connect_timeout=get_float(o, "connectTimeout", 5.0, 0.001),
             retries=get_int(o, "retries", 2, 0, 1000),
             retry_interval=get_float(o, "retryInterval", 1.0, 0.0),
+            broker_retry_seconds=get_float(o, "brokerRetrySeconds", 180.0, 0.0),
             dedup=get_bool(o, "dedup", True),
             writer_id=get_str(o, "writerId", "") or None,
             marker_retain=get_int(o, "markerRetain", 1000, 1),

@@ -5,3 +5,7 @@ Three layers, each importable alone:
 - ``broker.queue``: the queue state machine (jobs, tubes, scheduling; no I/O, clock injected);
 - ``broker.server``: the asyncio server that glues them to sockets.
 """
+
+from broker import _build
+
+_build.select()  # compiled (mypyc) hot modules, or the interpreted ones: see broker/_build.py

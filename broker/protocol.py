@@ -467,16 +467,21 @@ class Decoder:
         if len(buf) - start < need:
             if not self.header_sent:
                 self.header_sent = True
-                _, pri, delay, ttr, size = self.pending
+                _, pri, delay, ttr, size = self._pending()
                 return ("put-header", pri, delay, ttr, size)
             return None
         end = start + need
         body = bytes(buf[start:end - 2]) if buf[end - 2:end] == b"\r\n" else None
         self.pos = end
         self.mode = _LINE
-        _, pri, delay, ttr, _size = self.pending
+        _, pri, delay, ttr, _size = self._pending()
         self.pending = None
         return ("put", pri, delay, ttr, body, self.header_sent)
+
+    def _pending(self) -> tuple:
+        pending = self.pending
+        assert pending is not None, "a body is awaited only after its put line"
+        return pending
 
     def _next_skip(self) -> tuple | None:
         take = min(self.need, len(self.buf) - self.pos)

@@ -1,16 +1,23 @@
 """The binlog (``-b DIR``): a crash-safe write-ahead log of every job state change.
 
-The record format is in :mod:`broker.binlog_format`. This module is the queue listener that
-writes it, recovers from it at start, and reclaims space. What it guarantees, and why:
+Like beanstalkd's walg.c beside file.c, the binlog is four modules: the record format
+(:mod:`broker.binlog_format`, the one encoder/decoder, used by production and tests), the
+files (:mod:`broker.binlog_file`: directory, lock, segment creation, fsync thread),
+recovery (:mod:`broker.binlog_recovery`), and this one: the queue listener that writes
+records, and the segments and space management (current segment, spare, rotation,
+compaction). What it guarantees, and why:
 
 Writing. Every put, delete, release, bury, kick and TTR timeout appends one record to an
-in-memory buffer (``struct.pack`` + ``zlib.crc32``; no system call). The server calls
+in-memory buffer (``struct.pack`` + ``zlib.crc32``; no system call). So does every
+reserve (its counters survive a restart), but a reserve acknowledges nothing that must be
+durable: its record never makes a reply wait for an fsync. The server calls
 :meth:`Binlog.sync_point` before it writes any batch of replies: the buffer goes to the
 current segment with one ``os.write``, so a reply never leaves before its record is in the
 kernel (a SIGKILL loses nothing that was acknowledged, whatever the fsync mode). Then:
 
-* ``-f 0``: ``fdatasync`` in ``sync_point`` when anything was written since the last one
-  (group commit: one fsync per reply batch, before the batch is sent);
+* ``-f 0``: ``fdatasync`` in ``sync_point`` when a change that must be durable (anything
+  but a reserve) was written since the last one (group commit: one fsync per reply batch,
+  before the batch is sent);
 * ``-f MS``: a background thread ``fdatasync``\\ s at most every MS ms while there is
   unsynced data (``os.fdatasync`` releases the GIL);
 * ``-F``: never on the write path.
@@ -61,101 +68,50 @@ keep running while the broker is down (times are stored as wall-clock time).
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import gc
 import os
-import signal
-import sys
 import threading
 import time
-import zlib
 from array import array
+from typing import Any
 
 from broker import binlog_format as fmt
-from broker.queue import BURIED, DELAYED, INVALID, READY, Queue, QueueListener, StorageFull
+from broker.binlog_file import (
+    BinlogDir,
+    BinlogError,
+    CrashHook,
+    FsyncThread,
+    say,
+    write_all,
+)
+from broker.binlog_recovery import RestoreTally, Scanner, ScanResult, restore_records
+from broker.queue import DELAYED, INVALID, Job, Queue, QueueListener, StorageFull
+from broker.queue_restore import restore_jobs
+
+__all__ = ["Binlog", "BinlogError", "open_binlog"]
 
 NS = 1_000_000_000
 SLACK = 512  # room kept beyond the delete reserve: next segment header, fragmentation
 CHUNK = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
 MIGRATE_BUDGET = 256 * 1024  # bytes of records moved forward per reply batch at most
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _DEL = fmt.DELETE_RECORD_SIZE
-_FRAME = fmt.FRAME
-_JOB = fmt.JOB
-_JOB_SIZE = fmt.JOB_SIZE
-_FIXED = fmt.FRAME_SIZE + fmt.JOB_SIZE
-_UPDATE = fmt.UPDATE
-_DELETE = fmt.DELETE
-_crc32 = zlib.crc32
-
-# Test hook: SPARK_BEANSTALK_BINLOG_CRASH="point:n" kills this process (SIGKILL) the n-th
-# time it reaches ``point`` (see _crash_point calls). Used by tests/test_binlog_crash.py to
-# crash at every step of a segment switch and of compaction.
-_CRASH: tuple[str, int] | None = None
-_crash_env = os.environ.get("SPARK_BEANSTALK_BINLOG_CRASH")
-if _crash_env:
-    _name, _, _count = _crash_env.partition(":")
-    _CRASH = (_name, int(_count or 1))
-_crash_hits: dict[str, int] = {}
-
-
-def _crash_point(name: str) -> None:
-    if _CRASH is not None and _CRASH[0] == name:
-        n = _crash_hits.get(name, 0) + 1
-        _crash_hits[name] = n
-        if n >= _CRASH[1]:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _say(message: str) -> None:
-    """Recovery reports and warnings: always on stderr, whatever the log level."""
-    try:
-        sys.stderr.write(f"binlog: {message}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-
-
-class BinlogError(Exception):
-    """The binlog cannot be opened as it is (damage, lock held, unreadable): do not start."""
-
-
-class _Recovered:
-    """What the scan of the existing segments found, until recover() puts it in the queue.
-
-    Kept compact for big logs: a job is the *location* of its latest K_JOB record,
-    ``(n << 40) | offset`` with ``n`` the position of its segment in ``datas`` (locations
-    grow in log order, so they double as sequence numbers); its fields are decoded once,
-    when it is restored.
-    """
-
-    def __init__(self) -> None:
-        self.jobs: dict[int, int] = {}  # id -> location of its latest K_JOB record
-        self.updates: dict[int, tuple[int, tuple]] = {}  # id -> (location, K_UPDATE fields) newer than it
-        self.datas: list[bytes | None] = []  # segment contents, by position
-        self.full_ids: list[array] = []  # by position: ids of the K_JOB records in that segment
-        self.indexes: list[int] = []  # segment index, by position
-        self.max_id = 0
-        self.records = 0
-        self.segments: list[int] = []  # indexes kept, ascending
-        self.sizes: dict[int, int] = {}  # index -> bytes of valid data
-        self.damaged: list[int] = []  # indexes with damage skipped (ignore_damage)
-        self.seconds = 0.0
-        self.torn: list[tuple[str, int, str]] = []
-
-
-_LOC_BITS = 40
-_LOC_MASK = (1 << _LOC_BITS) - 1
-_ID = __import__("struct").Struct("<Q")
+_FIXED = fmt.JOB_RECORD_FIXED
+_append_job = fmt.append_job
+_append_update = fmt.append_update
+_append_delete = fmt.append_delete
 
 
 class Binlog(QueueListener):
-    """The queue listener behind ``-b DIR``."""
+    """The queue listener behind ``-b DIR``: writes records, owns the segments and their space.
+
+    ``crash`` is the test hook of :class:`broker.binlog_file.CrashHook`; by default it is
+    read from the environment when the Binlog is built (never at import).
+    """
 
     def __init__(self, directory: str, fsync_ms: int | None = 50, segment_size: int = 10485760,
-                 ignore_damage: bool = False) -> None:
-        self.dir = os.path.abspath(directory)
+                 ignore_damage: bool = False, crash: CrashHook | None = None) -> None:
+        self.files = BinlogDir(directory, crash if crash is not None else CrashHook.from_env())
+        self.dir = self.files.path
         self.fsync_ms = fsync_ms
         self.syncs_every_reply = fsync_ms == 0
         self.fsync_count = 0
@@ -166,8 +122,6 @@ class Binlog(QueueListener):
         self.ignore_damage = ignore_damage
         self.queue: Queue | None = None
         self._wall_off = time.time_ns() - time.monotonic_ns()
-        self._dirfd = -1
-        self._lockfd = -1
         # current segment
         self._fd = -1
         self._cur = 0
@@ -183,8 +137,8 @@ class Binlog(QueueListener):
         self._order: list[int] = []  # ascending
         self._live: dict[int, int] = {}
         self._size: dict[int, int] = {}
-        self._ids: dict[int, array] = {}
-        self._cur_ids: array = array("Q")
+        self._ids: dict[int, array[int]] = {}
+        self._cur_ids: array[int] = array("Q")
         self._migrate_pos: dict[int, int] = {}
         self._nlive = 0
         self._live_bytes = 0
@@ -193,35 +147,28 @@ class Binlog(QueueListener):
         self._tube_bytes: dict[str, bytes] = {}
         self._maint = False
         # durability
-        self._dirty = False
+        self._dirty = False  # written since the last fdatasync
+        self._must_sync = False  # ...and among it a change that -f 0 must sync before replying
         self._fd_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._thread: FsyncThread | None = None
         self._write_error: str | None = None
         self._skipped_updates = 0
         # stats
-        self.records_written = 0
+        self.records_written = 0  # beanstalkd's count: reserve records are not in it
+        self.reserves_written = 0
         self.records_migrated = 0
-        self._recovered: _Recovered | None = None
+        self._recovered: ScanResult | None = None
         self._damaged: list[int] = []
         self._closed = False
 
-    # ------------------------------------------------------------------ opening
+    # ------------------------------------------------------------------ opening and recovery
     def open(self) -> None:
         """Lock the directory, read and check every segment, start a new current segment."""
-        try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise BinlogError(f"cannot create binlog directory {self.dir}: {exc.strerror}") from None
-        if not os.path.isdir(self.dir):
-            raise BinlogError(f"binlog path {self.dir} is not a directory")
-        self._lock()
-        self._dirfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        self.files.open()
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            rec = self._scan()
+            rec = Scanner(self.files, self.ignore_damage).scan()
         finally:
             if gc_was_on:
                 gc.enable()
@@ -235,207 +182,8 @@ class Binlog(QueueListener):
             self._ids[idx] = array("Q")
             self._disk_bytes += rec.sizes[idx]
         start = (max(rec.segments) + 1) if rec.segments else 1
-        start = max(start, self._highest_index_on_disk() + 1)
-        self._start_segment(start)
+        self._start_segment(max(start, self.files.highest_index() + 1))
 
-    def _lock(self) -> None:
-        path = os.path.join(self.dir, "lock")
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise BinlogError(f"cannot open {path}: {exc.strerror}") from None
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise BinlogError(f"binlog directory {self.dir} is in use by another process (lock {path} is held)") from None
-        self._lockfd = fd
-
-    def _highest_index_on_disk(self) -> int:
-        best = 0
-        for name in os.listdir(self.dir):
-            base = name[:-len(".damaged")] if name.endswith(".damaged") else name
-            idx = fmt.parse_segment_name(base)
-            if idx is not None and idx > best:
-                best = idx
-        return best
-
-    def _path(self, idx: int) -> str:
-        return os.path.join(self.dir, fmt.segment_name(idx))
-
-    # ------------------------------------------------------------------ recovery: scan
-    def _scan(self) -> _Recovered:
-        t0 = time.monotonic()
-        rec = _Recovered()
-        indexes = sorted(i for i in (fmt.parse_segment_name(n) for n in os.listdir(self.dir)) if i is not None)
-        # An unused spare (allocated, header never written) can only be the newest file.
-        while indexes:
-            path = self._path(indexes[-1])
-            with open(path, "rb") as fh:
-                head = fh.read(fmt.HEADER_SIZE)
-            if head.strip(b"\0"):
-                break
-            if not fmt.only_zeros(_read_file(path), 0, os.path.getsize(path)):
-                break
-            os.unlink(path)
-            indexes.pop()
-            self._fsync_dir()
-        total = len(indexes)
-        jobs = rec.jobs
-        updates = rec.updates
-        seq = 0
-        max_id = 0
-        last_report = t0
-        frame_unpack = _FRAME.unpack_from
-        id_unpack = _ID.unpack_from
-        update_unpack = _UPDATE.unpack_from
-        crc32 = _crc32
-        K_JOB, K_UPDATE, K_DELETE = fmt.K_JOB, fmt.K_UPDATE, fmt.K_DELETE
-        JOB_SIZE, UPDATE_SIZE, DELETE_SIZE = fmt.JOB_SIZE, fmt.UPDATE_SIZE, fmt.DELETE_SIZE
-        for n, idx in enumerate(indexes):
-            path = self._path(idx)
-            newest = n == total - 1
-            try:
-                data = _read_file(path)
-            except OSError as exc:
-                raise BinlogError(f"cannot read binlog segment {path}: {exc.strerror}") from None
-            end = len(data)
-            try:
-                _version, hidx, hmax, _created = fmt.decode_header(data)
-                if hidx != idx:
-                    raise fmt.FormatError(0, f"header says segment {hidx}, file name says {idx}")
-            except fmt.FormatError as exc:
-                if newest and fmt.only_zeros(data, min(end, fmt.HEADER_SIZE), end):
-                    # the header of a brand-new segment was being written: nothing in it
-                    rec.torn.append((path, 0, exc.reason))
-                    _say(f"WARNING: {path}: torn segment header ({exc.reason}); the segment holds no record, removed")
-                    os.unlink(path)
-                    self._fsync_dir()
-                    continue
-                self._damage(rec, path, idx, 0, exc.reason, None)
-                continue  # ignore_damage: the whole segment is unreadable
-            if hmax > max_id:
-                max_id = hmax
-            base = len(rec.datas) << _LOC_BITS
-            rec.datas.append(data)
-            rec.indexes.append(idx)
-            seg_ids = array("Q")
-            rec.full_ids.append(seg_ids)
-            add_id = seg_ids.append
-            mv = memoryview(data)
-            pos = fmt.HEADER_SIZE
-            valid_end = pos
-            while True:
-                if pos + 8 > end:
-                    if pos < end and not fmt.only_zeros(data, pos, end):
-                        pos = self._bad(rec, path, idx, data, pos, end, newest, "truncated record frame")
-                        if pos < 0:
-                            break
-                        continue
-                    break
-                length, crc = frame_unpack(data, pos)
-                start = pos + 8
-                stop = start + length
-                if length == 0:
-                    if crc or not fmt.only_zeros(data, pos, end):
-                        pos = self._bad(rec, path, idx, data, pos, end, newest,
-                                        "zero bytes (unwritten space) followed by data")
-                        if pos < 0:
-                            break
-                        continue
-                    break
-                if stop > end or crc32(mv[start:stop]) != crc:
-                    pos = self._bad(rec, path, idx, data, pos, end, newest,
-                                    "record length runs past the end of the file" if stop > end
-                                    else "record checksum mismatch")
-                    if pos < 0:
-                        break
-                    continue
-                kind = data[start]
-                if kind == K_JOB:
-                    if length < JOB_SIZE or JOB_SIZE + data[start + JOB_SIZE - 1] > length:
-                        pos = self._bad(rec, path, idx, data, pos, end, newest, "job record too short")
-                        if pos < 0:
-                            break
-                        continue
-                    jid = id_unpack(data, start + 1)[0]
-                    jobs[jid] = base | pos
-                    add_id(jid)
-                    if updates:
-                        updates.pop(jid, None)
-                    if jid > max_id:
-                        max_id = jid
-                elif kind == K_UPDATE and length == UPDATE_SIZE:
-                    u = update_unpack(data, start)
-                    if u[1] in jobs:
-                        updates[u[1]] = (base | pos, u)
-                elif kind == K_DELETE and length == DELETE_SIZE:
-                    jid = id_unpack(data, start + 1)[0]
-                    jobs.pop(jid, None)
-                    if updates:
-                        updates.pop(jid, None)
-                    if jid > max_id:
-                        max_id = jid
-                else:
-                    pos = self._bad(rec, path, idx, data, pos, end, newest, f"unknown record kind {kind} or wrong length")
-                    if pos < 0:
-                        break
-                    continue
-                seq += 1
-                pos = stop
-                valid_end = pos
-                if not seq & 0xFFFF:
-                    now = time.monotonic()
-                    if now - last_report >= 2.0:
-                        last_report = now
-                        _say(f"recovering: segment {n + 1}/{total} ({fmt.segment_name(idx)}), "
-                             f"{seq:,} records read, {len(jobs):,} live jobs so far")
-            del mv
-            rec.segments.append(idx)
-            rec.sizes[idx] = valid_end
-            if rec.torn and rec.torn[-1][0] == path:
-                # a torn tail: cut it off so that this segment is clean for the next start
-                self._truncate(path, rec.torn[-1][1])
-            elif end > valid_end and idx not in rec.damaged:
-                self._truncate(path, valid_end)  # only zeros there: allocated space never written
-        rec.max_id = max_id
-        rec.records = seq
-        rec.seconds = time.monotonic() - t0
-        return rec
-
-    def _bad(self, rec: _Recovered, path: str, idx: int, data, pos: int, end: int, newest: bool, reason: str) -> int:
-        """A record that does not decode at ``pos``. Returns where to go on, or -1 to stop reading this file."""
-        nxt = fmt.find_next_valid(data, pos, end)
-        if nxt is None and newest:
-            rec.torn.append((path, pos, reason))
-            _say(f"WARNING: torn record at the end of the log dropped: {path} offset {pos} ({reason}; "
-                 f"{end - pos} bytes cut off; it was being written when the broker stopped)")
-            return -1
-        return self._damage(rec, path, idx, pos, reason, nxt)
-
-    def _damage(self, rec: _Recovered, path: str, idx: int, pos: int, reason: str, nxt: int | None) -> int:
-        follows = "valid records follow it" if nxt is not None else "it is not in the newest segment"
-        if not self.ignore_damage:
-            raise BinlogError(
-                f"binlog damaged: {path} at offset {pos}: {reason} ({follows}, so this is not a torn "
-                f"write at the end of the log). Refusing to start rather than silently drop jobs. "
-                f"To start anyway with every job that can still be read, run with --binlog-ignore-damage "
-                f"(the damaged file is kept as {os.path.basename(path)}.damaged); or restore {self.dir} from a backup.")
-        _say(f"WARNING: damage ignored (--binlog-ignore-damage): {path} at offset {pos}: {reason}; "
-             + (f"skipping {nxt - pos} bytes to the next valid record" if nxt is not None else "rest of the file skipped"))
-        if idx not in rec.damaged:
-            rec.damaged.append(idx)
-        return nxt if nxt is not None else -1
-
-    def _truncate(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    # ------------------------------------------------------------------ recovery: restore
     def recover(self, queue: Queue) -> None:
         """Put every recovered job back into ``queue`` (reserved jobs come back ready)."""
         self.queue = queue
@@ -445,31 +193,22 @@ class Binlog(QueueListener):
         self._recovered = None
         if rec is None:
             return
-        self._restored = 0
-        self._restored_buried = 0
-        self._restored_bytes = 0
-        bulk = getattr(queue, "restore_jobs", None)
+        tally = RestoreTally(home_ids=self._ids, live=self._live)
         gc_was_on = gc.isenabled()
         gc.disable()  # a million new objects and no garbage: collections would cost more than the restore
         try:
-            if bulk is not None:
-                bulk(self._restore_records(rec))
-            else:  # an older Queue without the bulk path
-                for args in self._restore_records(rec):
-                    queue.restore_job(*args)
+            restore_jobs(queue, restore_records(rec, self._wall_off, tally))
         finally:
             if gc_was_on:
                 gc.enable()
-        self._nlive = self._restored
-        self._live_bytes = self._restored_bytes
-        if queue.next_id <= rec.max_id:
-            queue.next_id = rec.max_id + 1
+        self._nlive = tally.jobs
+        self._live_bytes = tally.bytes
+        queue.next_id = max(queue.next_id, rec.max_id + 1)
         restore_s = time.monotonic() - t0
-        kept = len(rec.segments)
-        if kept or rec.damaged or rec.torn:
-            _say(f"recovered {self._restored:,} jobs ({self._restored_buried:,} buried) from {kept} segment(s), "
-                 f"{rec.records:,} records in {rec.seconds + restore_s:.2f}s "
-                 f"(read {rec.seconds:.2f}s, restore {restore_s:.2f}s); next job id {queue.next_id}")
+        if rec.segments or rec.damaged or rec.torn:
+            say(f"recovered {tally.jobs:,} jobs ({tally.buried:,} buried) from {len(rec.segments)} segment(s), "
+                f"{rec.records:,} records in {rec.seconds + restore_s:.2f}s "
+                f"(read {rec.seconds:.2f}s, restore {restore_s:.2f}s); next job id {queue.next_id}")
         del rec
         if self._damaged:
             self._rewrite_all_forward(self._damaged)
@@ -477,148 +216,39 @@ class Binlog(QueueListener):
         self._maint = True
         self._maintain(full=True)
 
-    def _restore_records(self, rec: _Recovered):
-        """Decode the latest record of every live job: restore_job argument tuples, buried jobs last.
-
-        Goes segment by segment in log order and lets go of each segment's contents once its
-        jobs are restored, so that the log is not held in memory next to the restored jobs.
-        """
-        off = self._wall_off
-        jobs = rec.jobs
-        updates = rec.updates
-        datas = rec.datas
-        job_unpack = _JOB.unpack_from
-        frame_unpack = _FRAME.unpack_from
-        tube_names: dict[bytes, str] = {}
-        live = self._live
-        ids = self._ids
-        JOB_SIZE = fmt.JOB_SIZE
-        buried = []
-        n = 0
-        nbytes = 0
-        for seg_no, seg_ids in enumerate(rec.full_ids):
-            data = datas[seg_no]
-            home = rec.indexes[seg_no]
-            home_ids = ids[home]
-            restored_here = 0
-            get = jobs.get
-            for jid in seg_ids:
-                loc = get(jid)
-                if loc is None or loc >> _LOC_BITS != seg_no:
-                    continue  # deleted, or a later K_JOB record of it exists
-                del jobs[jid]
-                pos = loc & _LOC_MASK
-                length = frame_unpack(data, pos)[0]
-                f = job_unpack(data, pos + 8)
-                tstart = pos + 8 + JOB_SIZE
-                bstart = tstart + f[13]
-                tb = data[tstart:bstart]
-                name = tube_names.get(tb)
-                if name is None:
-                    name = tube_names[tb] = tb.decode("latin-1")
-                home_ids.append(jid)
-                restored_here += 1
-                nbytes += length + 8
-                u = updates.pop(jid, None) if updates else None
-                if u is not None:
-                    seq, (_, _, state, pri, delay, deadline, r1, r2, r3, r4, r5) = u
-                else:
-                    seq = loc
-                    _, _, state, pri, delay, _ttr, _created, deadline, r1, r2, r3, r4, r5, _ = f
-                if state == BURIED:
-                    buried.append((seq, (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], BURIED, 0,
-                                         f[6] - off, (r1, r2, r3, r4, r5), home)))
-                    continue
-                if state == DELAYED:
-                    deadline -= off
-                else:
-                    state = READY
-                yield (jid, name, pri, delay, f[5], data[bstart:pos + 8 + length], state, deadline, f[6] - off,
-                       (r1, r2, r3, r4, r5), home)
-            live[home] += restored_here
-            n += restored_here
-            datas[seg_no] = None  # the bodies were copied out: let the segment go
-            rec.full_ids[seg_no] = None
-            data = None
-        self._restored = n
-        self._restored_bytes = nbytes
-        self._restored_buried = len(buried)
-        buried.sort(key=lambda e: e[0])  # buried jobs keep the order they were buried in
-        for _, args in buried:
-            yield args
-
     def _drop_empty_segments(self) -> None:
         """Old segments holding no record at all (a start with no activity) can go in any order."""
         for idx in list(self._order):
             if idx != self._cur and self._size.get(idx) == fmt.HEADER_SIZE and not self._live.get(idx):
-                os.unlink(self._path(idx))
-                self._fsync_dir()
+                self.files.remove(idx)
                 self._forget(idx)
 
     def _rewrite_all_forward(self, damaged: list[int]) -> None:
         """After --binlog-ignore-damage: write every live job into the current segment, set damaged files aside."""
-        jobs = self.queue.jobs
+        assert self.queue is not None
         moved = 0
-        for job in list(jobs.values()):
+        for job in list(self.queue.jobs.values()):
             if job.file != self._cur:
                 self._write_full(job, force=True)
                 moved += 1
         self._flush()
         self._sync_now()
         for idx in damaged:
-            path = self._path(idx)
-            if os.path.exists(path):
-                os.replace(path, path + ".damaged")
-                self._fsync_dir()
+            aside = self.files.set_aside(idx)
             if idx in self._live:
                 self._forget(idx)
-            _say(f"damaged segment set aside as {path}.damaged")
-        _say(f"rewrote {moved:,} recovered jobs into {fmt.segment_name(self._cur)}")
+            say(f"damaged segment set aside as {aside}")
+        say(f"rewrote {moved:,} recovered jobs into {fmt.segment_name(self._cur)}")
 
     # ------------------------------------------------------------------ segments
     def _start_segment(self, idx: int) -> None:
         """Create, allocate and start writing segment ``idx`` (used at open)."""
-        fd, alloc = self._create_segment(idx, self._chunk, fmt.HEADER_SIZE + SLACK)
+        fd, alloc = self.files.create_segment(idx, self._chunk, fmt.HEADER_SIZE + SLACK)
         if fd < 0:
             raise BinlogError(f"cannot allocate a binlog segment in {self.dir}: disk full")
         self._activate(fd, idx, alloc)
         self._flush()
         self._sync_now()
-
-    def _create_segment(self, idx: int, want: int, minimum: int) -> tuple[int, int]:
-        """Create segment file ``idx`` with ``want`` bytes allocated (or at least ``minimum``).
-
-        Returns (fd, allocated) or (-1, 0) when the disk has no room. The file and its
-        directory entry are made durable before anything is written into it.
-        """
-        path = self._path(idx)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            if exc.errno in FULL_ERRNOS:
-                return -1, 0
-            raise
-        alloc = 0
-        for size in (want, minimum) if minimum < want else (want,):
-            try:
-                os.posix_fallocate(fd, 0, size)
-                alloc = size
-                break
-            except OSError as exc:
-                if exc.errno not in FULL_ERRNOS:
-                    os.close(fd)
-                    raise
-        if not alloc:
-            os.close(fd)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            return -1, 0
-        os.fsync(fd)
-        self._fsync_dir()
-        _crash_point("segment-created")
-        return fd, alloc
 
     def _activate(self, fd: int, idx: int, alloc: int) -> None:
         """Make ``fd`` the current segment; its header (with the max id so far) goes first."""
@@ -627,6 +257,7 @@ class Binlog(QueueListener):
         self._cur = idx
         self._alloc = alloc
         self._buf += fmt.encode_header(idx, self._max_id, time.time_ns())
+        self._must_sync = True
         self._pos = fmt.HEADER_SIZE
         self._order.append(idx)
         self._live[idx] = 0
@@ -634,9 +265,8 @@ class Binlog(QueueListener):
 
     def _rotate(self, need: int) -> bool:
         """Switch to the next segment, which must have room for a ``need``-byte record."""
-        if self._spare_fd < 0 or self._spare_room < need:
-            if not self._make_spare(need):
-                return False
+        if (self._spare_fd < 0 or self._spare_room < need) and not self._make_spare(need):
+            return False
         # finish the current segment: everything in it on disk before anything goes to the next
         self._flush()
         if self._buf:
@@ -647,7 +277,7 @@ class Binlog(QueueListener):
         except OSError as exc:
             self._io_failed("finishing a segment", exc)
             return False
-        _crash_point("rotate-old-synced")
+        self.files.crash_point("rotate-old-synced")
         old = self._fd
         self._size[self._cur] = self._pos
         self._disk_bytes += self._pos
@@ -674,7 +304,7 @@ class Binlog(QueueListener):
             return False
         reserve = self._nlive * _DEL + SLACK
         want = max(self._chunk, fmt.HEADER_SIZE + need + reserve)
-        fd, alloc = self._create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
+        fd, alloc = self.files.create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
         if fd < 0:
             self._spare_retry_at = now + 0.5  # full disk: do not retry on every put
             return False
@@ -713,7 +343,14 @@ class Binlog(QueueListener):
         return self._spare_room - size
 
     # ------------------------------------------------------------------ listener: writes
-    def job_put(self, job) -> None:
+    def _tube_name(self, job: Job) -> bytes:
+        name = job.tube.name
+        tb = self._tube_bytes.get(name)
+        if tb is None:
+            tb = self._tube_bytes[name] = name.encode("latin-1")
+        return tb
+
+    def job_put(self, job: Job) -> None:
         name = job.tube.name
         tb = self._tube_bytes.get(name)
         if tb is None:
@@ -725,16 +362,14 @@ class Binlog(QueueListener):
             self._make_room(size)
         created = job.created + self._wall_off
         delay = job.delay
-        if delay:
-            head = _JOB.pack(1, job.id, 1, job.pri, delay, job.ttr * NS, created, created + delay, 0, 0, 0, 0, 0, len(tb))
-        else:
-            head = _JOB.pack(1, job.id, 0, job.pri, 0, job.ttr * NS, created, 0, 0, 0, 0, 0, 0, len(tb))
         buf = self._buf
-        buf += _FRAME.pack(size - 8, _crc32(body, _crc32(tb, _crc32(head))))
-        buf += head
-        buf += tb
-        buf += body
+        if delay:
+            _append_job(buf, job.id, DELAYED, job.pri, delay, job.ttr * NS, created, created + delay,
+                        0, 0, 0, 0, 0, tb, body)
+        else:
+            _append_job(buf, job.id, 0, job.pri, 0, job.ttr * NS, created, 0, 0, 0, 0, 0, 0, tb, body)
         self._pos += size
+        self._must_sync = True
         idx = self._cur
         job.file = idx
         self._live[idx] += 1
@@ -742,8 +377,7 @@ class Binlog(QueueListener):
         self._nlive += 1
         self._live_bytes += size
         self.records_written += 1
-        if job.id > self._max_id:
-            self._max_id = job.id
+        self._max_id = max(self._max_id, job.id)
         if len(buf) > 1048576:
             self._flush()
 
@@ -754,26 +388,18 @@ class Binlog(QueueListener):
         if not self._fit(size, (self._nlive + 1) * _DEL + SLACK):
             raise StorageFull("binlog: disk full")
 
-    def _write_full(self, job, force: bool = False) -> bool:
+    def _write_full(self, job: Job, force: bool = False) -> bool:
         """Append the job's complete current state (compaction / rewrite); the job moves to the current segment."""
-        name = job.tube.name
-        tb = self._tube_bytes.get(name)
-        if tb is None:
-            tb = self._tube_bytes[name] = name.encode("latin-1")
-        body = job.body
-        size = _FIXED + len(tb) + len(body)
+        tb = self._tube_name(job)
+        size = _FIXED + len(tb) + len(job.body)
         if not self._fit(size, 0 if force else self._nlive * _DEL + SLACK):
             return False
         state = job.state
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        head = _JOB.pack(1, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off, deadline,
-                         job.reserves, job.timeouts, job.releases, job.buries, job.kicks, len(tb))
-        buf = self._buf
-        buf += _FRAME.pack(size - 8, _crc32(body, _crc32(tb, _crc32(head))))
-        buf += head
-        buf += tb
-        buf += body
+        _append_job(self._buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off,
+                    deadline, job.reserves, job.timeouts, job.releases, job.buries, job.kicks, tb, job.body)
         self._pos += size
+        self._must_sync = True
         old = job.file
         idx = self._cur
         if old != idx:
@@ -786,37 +412,45 @@ class Binlog(QueueListener):
         self.records_written += 1
         return True
 
-    def job_updated(self, job) -> None:
+    def job_updated(self, job: Job) -> None:
+        if self._append_update(job):
+            self._must_sync = True
+            self.records_written += 1
+
+    def job_reserved(self, job: Job) -> None:
+        """Logged so that ``reserves`` survives a restart; -f 0 does not sync for it (see sync_point).
+
+        Not counted in ``binlog-records-written``, which stays what beanstalkd (which does not
+        log reserves) reports for the same commands.
+        """
+        if self._append_update(job):
+            self.reserves_written += 1
+
+    def _append_update(self, job: Job) -> bool:
         state = job.state
         if state == INVALID:
-            return
+            return False
         size = fmt.UPDATE_RECORD_SIZE
         reserve = self._nlive * _DEL + SLACK
-        if size > self._alloc - self._pos or self._room_after(size) < reserve:
-            if not self._fit(size, reserve):
-                self._skipped_updates += 1
-                if self._skipped_updates in (1, 10, 100, 1000) or not self._skipped_updates % 10000:
-                    _say(f"WARNING: disk full: {self._skipped_updates} job state change(s) not logged "
-                         f"(after a crash those jobs come back in their previous state)")
-                return
+        if (size > self._alloc - self._pos or self._room_after(size) < reserve) and not self._fit(size, reserve):
+            self._skipped_updates += 1
+            if self._skipped_updates in (1, 10, 100, 1000) or not self._skipped_updates % 10000:
+                say(f"WARNING: disk full: {self._skipped_updates} job state change(s) not logged "
+                    f"(after a crash those jobs come back in their previous state)")
+            return False
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        payload = _UPDATE.pack(2, job.id, state, job.pri, job.delay, deadline,
-                               job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
-        buf = self._buf
-        buf += _FRAME.pack(fmt.UPDATE_SIZE, _crc32(payload))
-        buf += payload
+        _append_update(self._buf, job.id, state, job.pri, job.delay, deadline,
+                       job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
         self._pos += size
-        self.records_written += 1
+        return True
 
-    def job_deleted(self, job) -> None:
+    def job_deleted(self, job: Job) -> None:
         if _DEL > self._alloc - self._pos and not self._fit(_DEL, 0):
-            _say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
+            say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
             return
-        payload = _DELETE.pack(3, job.id)
-        buf = self._buf
-        buf += _FRAME.pack(9, _crc32(payload))
-        buf += payload
+        _append_delete(self._buf, job.id)
         self._pos += _DEL
+        self._must_sync = True
         self.records_written += 1
         self._nlive -= 1
         self._live_bytes -= _FIXED + len(job.tube.name) + len(job.body)
@@ -830,11 +464,13 @@ class Binlog(QueueListener):
 
     # ------------------------------------------------------------------ durability
     def sync_point(self) -> None:
+        """Before replies go out: every record reaches the kernel (one write); with -f 0, an
+        fdatasync too when a record that must be durable (not a reserve) is among them."""
         if self._maint:
             self._maintain()
         if self._buf:
             self._flush()
-        if self.fsync_ms == 0 and self._dirty:
+        if self.fsync_ms == 0 and self._must_sync and self._dirty:
             try:
                 self._sync_now()
             except OSError as exc:
@@ -845,85 +481,44 @@ class Binlog(QueueListener):
         buf = self._buf
         if not buf:
             return
-        n = len(buf)
-        done = 0
         try:
-            done = os.write(self._fd, buf)
-            if done < n:
-                with memoryview(buf) as mv:
-                    while done < n:
-                        done += os.write(self._fd, mv[done:])
+            write_all(self._fd, buf)
         except OSError as exc:
-            if done:
-                del buf[:done]
-                self._dirty = True
+            self._dirty = True
             msg = f"binlog write failed: {exc.strerror}"
             if self._write_error is None:
-                _say(f"ERROR: {msg} ({self._path(self._cur)}); new jobs are refused until writing works again")
+                say(f"ERROR: {msg} ({self.files.segment(self._cur)}); new jobs are refused until writing works again")
             self._write_error = msg
             return
-        buf.clear()
         self._write_error = None
         self._dirty = True
-        if self._thread is not None and not self._wake.is_set():
-            self._wake.set()
+        if self._thread is not None:
+            self._thread.wake()
 
     def _io_failed(self, what: str, exc: OSError) -> None:
         """An fsync or file operation failed: say so, refuse new jobs until a write works again."""
         msg = f"binlog {what} failed: {exc.strerror or exc}"
         if self._write_error != msg:
-            _say(f"ERROR: {msg} ({self.dir}); new jobs are refused until writing works again")
+            say(f"ERROR: {msg} ({self.dir}); new jobs are refused until writing works again")
         self._write_error = msg
 
-    def _sync_now(self) -> None:
+    def _sync_now(self, only_if_dirty: bool = False) -> None:
+        """fdatasync the current segment (the fsync thread: only if written since the last one)."""
         with self._fd_lock:
-            if self._fd >= 0:
+            if self._fd >= 0 and (self._dirty or not only_if_dirty):
                 self._dirty = False
-                self._timed_fdatasync()
+                self._must_sync = False
+                started = time.perf_counter()
+                os.fdatasync(self._fd)
+                self.fsync_seconds += time.perf_counter() - started
+                self.fsync_count += 1
 
-    def _timed_fdatasync(self) -> None:
-        """fdatasync the current segment (caller holds _fd_lock), counting it for the metrics."""
-        started = time.perf_counter()
-        os.fdatasync(self._fd)
-        self.fsync_seconds += time.perf_counter() - started
-        self.fsync_count += 1
-
-    def _fsync_dir(self) -> None:
-        if self._dirfd >= 0:
-            os.fsync(self._dirfd)
-        else:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _fsync_loop(self) -> None:
-        interval = (self.fsync_ms or 0) / 1000.0
-        last = 0.0
-        wake = self._wake
-        while True:
-            wake.wait()
-            if self._stopping:
-                return
-            wait = last + interval - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            wake.clear()
-            if self._stopping:  # close() may have set the event just before clear(): it syncs itself
-                return
-            with self._fd_lock:
-                if self._fd >= 0 and self._dirty:
-                    self._dirty = False
-                    try:
-                        self._timed_fdatasync()
-                    except OSError as exc:
-                        _say(f"ERROR: fdatasync failed: {exc.strerror}")
-            last = time.monotonic()
+    def _sync_dirty(self) -> None:
+        self._sync_now(only_if_dirty=True)
 
     def start_thread(self) -> None:
         if self.fsync_ms and self._thread is None:
-            self._thread = threading.Thread(target=self._fsync_loop, name="binlog-fsync", daemon=True)
+            self._thread = FsyncThread(self.fsync_ms, self._sync_dirty)
             self._thread.start()
 
     # ------------------------------------------------------------------ space reclaim
@@ -938,7 +533,7 @@ class Binlog(QueueListener):
             if self.queue is None or not self._needs_compaction():
                 return
             oldest = self._order[0]
-            if not self._migrate(oldest, 1 << 62 if full else MIGRATE_BUDGET):
+            if not self._migrate(self.queue, oldest, 1 << 62 if full else MIGRATE_BUDGET):
                 self._maint = True  # more to move: go on at the next reply batch
                 return
             if self._live.get(oldest):
@@ -948,16 +543,15 @@ class Binlog(QueueListener):
                 self._maint = self._needs_compaction()
                 return
 
-    def _migrate(self, idx: int, budget: int) -> bool:
+    def _migrate(self, queue: Queue, idx: int, budget: int) -> bool:
         """Rewrite forward the live jobs of segment ``idx``; True when none is left there."""
         ids = self._ids.get(idx)
         if ids is None:
             return True
-        jobs = self.queue.jobs
+        jobs = queue.jobs
         pos = self._migrate_pos.get(idx, 0)
-        n = len(ids)
         written = 0
-        while pos < n:
+        while pos < len(ids):
             if written >= budget:
                 self._migrate_pos[idx] = pos
                 return False
@@ -970,7 +564,7 @@ class Binlog(QueueListener):
                 written += _FIXED + len(job.body) + len(job.tube.name)
             pos += 1
         self._migrate_pos[idx] = pos
-        _crash_point("compact-copied")
+        self.files.crash_point("compact-copied")
         return True
 
     def _drop_dead_prefix(self) -> None:
@@ -984,15 +578,12 @@ class Binlog(QueueListener):
             return
         try:
             self._sync_now()
-            _crash_point("compact-synced")
+            self.files.crash_point("compact-synced")
             while len(order) > 1 and not live[order[0]]:
                 idx = order[0]
-                try:
-                    os.unlink(self._path(idx))
-                except FileNotFoundError:
-                    pass
-                _crash_point("compact-unlinked")
-                self._fsync_dir()
+                self.files.unlink(idx)
+                self.files.crash_point("compact-unlinked")
+                self.files.fsync()
                 self._forget(idx)
         except OSError as exc:
             self._io_failed("deleting an old segment", exc)
@@ -1006,7 +597,7 @@ class Binlog(QueueListener):
         self._spare_retry_at = 0.0  # room came back: a full disk may have space again
 
     # ------------------------------------------------------------------ stats, shutdown
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {
             "oldest-index": self._order[0] if self._order else 0,
             "current-index": self._cur,
@@ -1028,10 +619,8 @@ class Binlog(QueueListener):
         if self._closed:
             return
         self._closed = True
-        self._stopping = True
         if self._thread is not None:
-            self._wake.set()
-            self._thread.join(5)
+            self._thread.stop()
         try:
             if self._fd >= 0:
                 self._flush()
@@ -1043,30 +632,27 @@ class Binlog(QueueListener):
             if self._spare_fd >= 0:
                 os.close(self._spare_fd)
                 self._spare_fd = -1
-                try:
-                    os.unlink(self._path(self._cur + 1))
-                except FileNotFoundError:
-                    pass
-            if self._dirfd >= 0:
-                os.fsync(self._dirfd)
+                self.files.unlink(self._cur + 1)
         finally:
-            if self._dirfd >= 0:
-                os.close(self._dirfd)
-                self._dirfd = -1
-            if self._lockfd >= 0:
-                os.close(self._lockfd)
-                self._lockfd = -1
+            self.files.close()
 
-
-def _read_file(path: str) -> bytes:
-    with open(path, "rb", buffering=0) as fh:
-        return fh.read()
+    def abandon(self) -> None:
+        """For tests: drop everything the way SIGKILL does (what was buffered is lost, nothing
+        is fsynced or trimmed)."""
+        if self._thread is not None:
+            self._thread.stopping = True
+        for fd in (self._fd, self._spare_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._spare_fd = -1
+        self.files.abandon()
+        self._closed = True
 
 
 def open_binlog(directory: str, fsync_ms: int | None = 50, segment_size: int = 10485760,
-                ignore_damage: bool = False) -> Binlog:
+                ignore_damage: bool = False, crash: CrashHook | None = None) -> Binlog:
     """Open (and scan) the binlog in ``directory``; raises BinlogError with a clear message if it cannot."""
-    log = Binlog(directory, fsync_ms=fsync_ms, segment_size=segment_size, ignore_damage=ignore_damage)
+    log = Binlog(directory, fsync_ms=fsync_ms, segment_size=segment_size, ignore_damage=ignore_damage, crash=crash)
     try:
         log.open()
     except BaseException:

@@ -41,7 +41,9 @@ Payload, first byte = kind:
       tube name (tube_len bytes, ASCII), body (the rest of the payload)
 
 * ``K_UPDATE`` (2) - a state change of a job whose K_JOB record is earlier in the log
-  (release, bury, kick, kick-job, TTR timeout)::
+  (release, bury, kick, kick-job, TTR timeout), or a reserve (``state`` 2, reserved: only
+  its counters count; the job comes back in the state of its record before, since a
+  reserved job returns to where it was reserved from)::
 
       kind B, id Q, state B, pri I, delay q (ns), deadline q (wall ns),
       reserves I, timeouts I, releases I, buries I, kicks I
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import NamedTuple
 
 MAGIC = b"SBKBLOG\n"
 FORMAT_VERSION = 1
@@ -71,9 +74,8 @@ SEGMENT_SUFFIX = ".sbl"
 K_JOB = 1
 K_UPDATE = 2
 K_DELETE = 3
-KIND_NAMES = {K_JOB: "job", K_UPDATE: "update", K_DELETE: "delete"}
 
-S_READY, S_DELAYED, S_RESERVED, S_BURIED = 0, 1, 2, 3
+S_READY, S_DELAYED, S_RESERVED, S_BURIED = 0, 1, 2, 3  # the queue's numbering (broker.queue)
 
 SEGMENT_HEADER = struct.Struct("<8sHHIQq")  # + crc I + 4 pad bytes
 HEADER_CRC = struct.Struct("<I4x")
@@ -89,9 +91,50 @@ DELETE = struct.Struct("<BQ")
 DELETE_SIZE = DELETE.size
 DELETE_RECORD_SIZE = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
 UPDATE_RECORD_SIZE = FRAME_SIZE + UPDATE_SIZE
-MAX_PAYLOAD = (1 << 31) - 1
+JOB_RECORD_FIXED = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus its tube name and body
+ID = struct.Struct("<Q")
 
 crc32 = zlib.crc32
+Buffer = bytes | bytearray | memoryview
+_frame_pack = FRAME.pack
+_job_pack = JOB.pack
+_update_pack = UPDATE.pack
+_delete_pack = DELETE.pack
+
+
+class JobRecord(NamedTuple):
+    """The decoded fixed part of a K_JOB record (see the module docstring); tube and body follow it."""
+
+    kind: int
+    job_id: int
+    state: int
+    pri: int
+    delay: int
+    ttr: int
+    created: int
+    deadline: int
+    reserves: int
+    timeouts: int
+    releases: int
+    buries: int
+    kicks: int
+    tube_len: int
+
+
+class UpdateRecord(NamedTuple):
+    """A decoded K_UPDATE payload."""
+
+    kind: int
+    job_id: int
+    state: int
+    pri: int
+    delay: int
+    deadline: int
+    reserves: int
+    timeouts: int
+    releases: int
+    buries: int
+    kicks: int
 
 
 class FormatError(Exception):
@@ -122,7 +165,7 @@ def encode_header(index: int, max_id: int, created_wall_ns: int) -> bytes:
     return head + HEADER_CRC.pack(crc32(head))
 
 
-def decode_header(data) -> tuple[int, int, int, int]:
+def decode_header(data: Buffer) -> tuple[int, int, int, int]:
     """(version, index, max_id, created) of a segment; raises FormatError if it is not valid."""
     if len(data) < HEADER_SIZE:
         raise FormatError(0, f"file too short for a segment header ({len(data)} bytes)")
@@ -141,39 +184,101 @@ def decode_header(data) -> tuple[int, int, int, int]:
     return version, index, max_id, created
 
 
+def append_job(buf: bytearray, job_id: int, state: int, pri: int, delay: int, ttr: int, created: int,
+               deadline: int, reserves: int, timeouts: int, releases: int, buries: int, kicks: int,
+               tube: bytes, body: bytes) -> int:
+    """Append a complete K_JOB record (frame included) to ``buf``; returns its size.
+
+    The broker's put path: one struct pack, three crc32 calls over the parts, no copies
+    of the body beyond the one into ``buf``.
+    """
+    head = _job_pack(K_JOB, job_id, state, pri, delay, ttr, created, deadline,
+                     reserves, timeouts, releases, buries, kicks, len(tube))
+    length = JOB_SIZE + len(tube) + len(body)
+    buf += _frame_pack(length, crc32(body, crc32(tube, crc32(head))))
+    buf += head
+    buf += tube
+    buf += body
+    return FRAME_SIZE + length
+
+
+def append_update(buf: bytearray, job_id: int, state: int, pri: int, delay: int, deadline: int,
+                  reserves: int, timeouts: int, releases: int, buries: int, kicks: int) -> int:
+    """Append a K_UPDATE record to ``buf``; returns its size (UPDATE_RECORD_SIZE)."""
+    payload = _update_pack(K_UPDATE, job_id, state, pri, delay, deadline, reserves, timeouts, releases, buries, kicks)
+    buf += _frame_pack(UPDATE_SIZE, crc32(payload))
+    buf += payload
+    return UPDATE_RECORD_SIZE
+
+
+def append_delete(buf: bytearray, job_id: int) -> int:
+    """Append a K_DELETE record to ``buf``; returns its size (DELETE_RECORD_SIZE)."""
+    payload = _delete_pack(K_DELETE, job_id)
+    buf += _frame_pack(DELETE_SIZE, crc32(payload))
+    buf += payload
+    return DELETE_RECORD_SIZE
+
+
 def encode_job(job_id: int, state: int, pri: int, delay: int, ttr: int, created: int, deadline: int,
                counters: tuple[int, int, int, int, int], tube: bytes, body: bytes) -> bytes:
-    """A complete K_JOB record (frame included). The broker's hot path inlines this."""
-    head = JOB.pack(K_JOB, job_id, state, pri, delay, ttr, created, deadline, *counters, len(tube))
-    crc = crc32(body, crc32(tube, crc32(head)))
-    return FRAME.pack(JOB_SIZE + len(tube) + len(body), crc) + head + tube + body
+    """A complete K_JOB record as bytes (what :func:`append_job` appends)."""
+    buf = bytearray()
+    append_job(buf, job_id, state, pri, delay, ttr, created, deadline, *counters, tube, body)
+    return bytes(buf)
 
 
 def encode_update(job_id: int, state: int, pri: int, delay: int, deadline: int,
                   counters: tuple[int, int, int, int, int]) -> bytes:
-    payload = UPDATE.pack(K_UPDATE, job_id, state, pri, delay, deadline, *counters)
-    return FRAME.pack(UPDATE_SIZE, crc32(payload)) + payload
+    buf = bytearray()
+    append_update(buf, job_id, state, pri, delay, deadline, *counters)
+    return bytes(buf)
 
 
 def encode_delete(job_id: int) -> bytes:
-    payload = DELETE.pack(K_DELETE, job_id)
-    return FRAME.pack(DELETE_SIZE, crc32(payload)) + payload
+    buf = bytearray()
+    append_delete(buf, job_id)
+    return bytes(buf)
 
 
-def check_record(data, pos: int, end: int) -> int:
+def decode_job(data: Buffer, pos: int) -> JobRecord:
+    """The fixed part of the K_JOB record whose frame starts at ``pos`` (already checked)."""
+    return JobRecord._make(JOB.unpack_from(data, pos + FRAME_SIZE))
+
+
+def decode_update(data: Buffer, pos: int) -> UpdateRecord:
+    """The K_UPDATE record whose frame starts at ``pos`` (already checked)."""
+    return UpdateRecord._make(UPDATE.unpack_from(data, pos + FRAME_SIZE))
+
+
+def record_id(data: Buffer, pos: int) -> int:
+    """The job id of the (checked) record whose frame starts at ``pos``."""
+    job_id: int = ID.unpack_from(data, pos + FRAME_SIZE + 1)[0]
+    return job_id
+
+
+def record_length(data: Buffer, pos: int) -> int:
+    """Payload length of the frame at ``pos``."""
+    length: int = FRAME.unpack_from(data, pos)[0]
+    return length
+
+
+def check_record(data: Buffer, pos: int, end: int) -> int:
     """Validate the record at ``pos``; return the offset after it. Raises FormatError.
 
-    Returns ``pos`` unchanged at the end of the data (a zero length field, or fewer than 8
-    bytes left that are all zero).
+    Returns ``pos`` unchanged at the end of the data (a zero length field followed by zeros
+    only, or fewer than 8 bytes left that are all zero). Recovery calls this for every
+    record; pass a memoryview so that the checksum reads the payload without copying it.
     """
     if pos + FRAME_SIZE > end:
         if not only_zeros(data, pos, end):
             raise FormatError(pos, "truncated record frame")
         return pos
+    length: int
+    crc: int
     length, crc = FRAME.unpack_from(data, pos)
     if length == 0:
-        if crc:
-            raise FormatError(pos, "zero-length record with a nonzero checksum")
+        if crc or not only_zeros(data, pos, end):
+            raise FormatError(pos, "zero bytes (unwritten space) followed by data")
         return pos
     start = pos + FRAME_SIZE
     if start + length > end:
@@ -195,12 +300,12 @@ def check_record(data, pos: int, end: int) -> int:
     return start + length
 
 
-def find_next_valid(data, pos: int, end: int) -> int | None:
+def find_next_valid(data: Buffer, pos: int, end: int) -> int | None:
     """The offset of the first valid record after ``pos`` (slow: used only on damage)."""
     unpack = FRAME.unpack_from
     p = pos + 1
     while p + FRAME_SIZE < end:
-        length, crc = unpack(data, p)
+        length, _crc = unpack(data, p)
         if 1 <= length <= end - p - FRAME_SIZE and data[p + FRAME_SIZE] in (K_JOB, K_UPDATE, K_DELETE):
             try:
                 if check_record(data, p, end) > p:
@@ -211,7 +316,7 @@ def find_next_valid(data, pos: int, end: int) -> int | None:
     return None
 
 
-def only_zeros(data, start: int, end: int) -> bool:
+def only_zeros(data: Buffer, start: int, end: int) -> bool:
     if start >= end:
         return True
     chunk = 1 << 20

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tomllib
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
+import tomllib
 
 from broker import logs
 from broker import protocol as p
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
+from broker.queue import QueueListener
 from broker.security import TlsConfig, load_token
-from broker.server import ServerConfig, install_uvloop, run_server
+from broker.server import (
+    BrokerConnection,
+    BrokerServer,
+    ServerConfig,
+    install_uvloop,
+    run_server,
+)
+
+if TYPE_CHECKING:
+    from broker.http import HttpListener
 
 # TOML key -> click parameter name (both spellings accepted in the file).
 _CONFIG_KEYS = {
@@ -28,11 +41,12 @@ _CONFIG_KEYS = {
     "idle_timeout": "idle_timeout", "max_output_bytes": "max_output_bytes",
     "slow_reader_timeout": "slow_reader_timeout",
     "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca", "tls_port": "tls_port",
-    "auth_token_file": "auth_token_file", "metrics": "metrics", "extended_stats": "extended_stats",
+    "auth_token_file": "auth_token_file", "metrics": "metrics", "http": "metrics", "no_dashboard": "no_dashboard",
+    "extended_stats": "extended_stats",
 }
 
 
-def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
+def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
     """Eager callback: the file's values become defaults, so explicit flags override them."""
     if not path:
         return path
@@ -100,8 +114,11 @@ def _load_config(ctx: click.Context, _param, path: str | None) -> str | None:
               help="Serve TLS on this second port (default: the main listener speaks TLS).")
 @click.option("--auth-token-file", type=click.Path(exists=True, dir_okay=False),
               help="Require `auth <token>` first (protocol extension; off by default).")
-@click.option("--metrics", "metrics", metavar="ADDR:PORT", default=None,
-              help="Serve Prometheus metrics at http://ADDR:PORT/metrics.")
+@click.option("--http", "--metrics", "metrics", metavar="ADDR:PORT", default=None,
+              help="Serve HTTP on ADDR:PORT: /metrics (Prometheus), /healthz, /readyz and the web dashboard at /. "
+                   "--metrics is the old name.")
+@click.option("--no-dashboard", is_flag=True, default=False,
+              help="With --http: serve only /metrics, /healthz and /readyz.")
 @click.option("--extended-stats", is_flag=True, default=False,
               help="Add our counters after beanstalkd's stats keys (on when any limit, TLS or auth is set).")
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
@@ -109,7 +126,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
                    max_job_bytes: int, max_tubes: int, max_reserved_per_connection: int, idle_timeout: float,
                    max_output_bytes: int, slow_reader_timeout: float, tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
                    tls_port: int | None, auth_token_file: str | None, metrics: str | None,
-                   extended_stats: bool) -> None:
+                   no_dashboard: bool, extended_stats: bool) -> None:
     """Run the beanstalkd-compatible work-queue broker."""
     logs.setup(verbose)
     listener = None
@@ -132,25 +149,52 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
             token = load_token(auth_token_file)
         except (OSError, ValueError) as exc:
             raise click.UsageError(f"--auth-token-file: {exc}") from None
-    if metrics is not None and (":" not in metrics or not metrics.rpartition(":")[2].isdigit()):
-        raise click.UsageError(f"--metrics takes ADDR:PORT, not {metrics!r}")
+    http_sock = None
+    if metrics is not None:
+        from broker import http  # aiohttp is imported only by brokers that serve HTTP
+
+        try:
+            http_sock = http.bind(metrics)
+        except http.HttpAddressError as exc:
+            raise click.UsageError(f"--http/--metrics {exc}") from None
     hardened = limits != Limits() or tls is not None or token is not None or metrics is not None
     config = ServerConfig(listen=listen, port=port, max_job_size=max_job_size, verbose=verbose, limits=limits,
                           tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened,
                           binlog_max_size=binlog_size)
     install_uvloop()
 
-    def ready(server) -> None:
+    def ready(server: BrokerServer) -> None:
         if verbose:
             logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()))
 
     try:
-        asyncio.run(run_server(config, listener, on_ready=ready))
+        asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
 
 
-def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int):
+async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],
+                 http_sock: socket.socket | None, dashboard: bool) -> None:
+    """run_server, plus the HTTP listener once the broker is up (stopped after it)."""
+    listeners: list[HttpListener] = []
+
+    def on_ready(server: BrokerServer) -> None:
+        ready(server)
+        if http_sock is not None:
+            from broker.http import HttpListener
+
+            local = (lambda: BrokerConnection(server)) if dashboard else None
+            listeners.append(HttpListener(server, http_sock, local))
+            listeners[0].start_soon()
+
+    try:
+        await run_server(config, listener, on_ready=on_ready)
+    finally:
+        for item in listeners:
+            await item.close()
+
+
+def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int) -> QueueListener:
     try:
         from broker.binlog import BinlogError, open_binlog
     except ImportError:

@@ -1,31 +1,38 @@
-"""Prometheus metrics for the broker (``--metrics ADDR:PORT``), which beanstalkd lacks.
+"""Prometheus metrics for the broker (``--http/--metrics ADDR:PORT``), which beanstalkd lacks.
 
 prometheus_client does the text format; the values are read from the queue when a
-scrape arrives. The HTTP endpoint is a few lines of asyncio on the broker's own loop
-(not prometheus_client's threaded server), so a scrape never reads queue state while
-a command is changing it.
+scrape arrives. broker/http.py serves them from the broker's own loop (not
+prometheus_client's threaded server), so a scrape never reads queue state while a
+command is changing it.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 from broker.limits import REASONS
+from broker.queue import Queue
 
-if TYPE_CHECKING:
-    from broker.server import BrokerServer
 
-log = logging.getLogger("broker.metrics")
+class HasQueue(Protocol):
+    """What the metrics read from the broker (broker.server.BrokerServer has it)."""
+
+    @property
+    def queue(self) -> Queue: ...
 
 
 class BrokerCollector:
     """Reads the queue at scrape time."""
 
-    def __init__(self, server: "BrokerServer") -> None:
+    def __init__(self, server: HasQueue) -> None:
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
@@ -61,40 +68,8 @@ class BrokerCollector:
                                       sum_value=binlog.get("fsync-seconds", 0.0))
 
 
-class MetricsServer:
-    """GET /metrics over HTTP/1.0-style one-shot connections."""
-
-    def __init__(self, server: "BrokerServer") -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BrokerCollector(server))
-        self._server: asyncio.base_events.Server | None = None
-
-    async def start(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self._server = await asyncio.start_server(self._handle, host or "127.0.0.1", int(port))
-
-    def address(self) -> str:
-        name = self._server.sockets[0].getsockname()
-        return f"{name[0]}:{name[1]}"
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
-            if path.split(b"?")[0] in (b"/metrics", b"/"):
-                body = generate_latest(self.registry)
-                head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-            else:
-                body = b"not found\n"
-                head = b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
-            writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+def metrics_text(server: HasQueue) -> bytes:
+    """The Prometheus text exposition of the broker's state now."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BrokerCollector(server))
+    return generate_latest(registry)

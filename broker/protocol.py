@@ -16,10 +16,13 @@ command tuples exactly as beanstalkd 1.12 reads it, quirks included, because cli
 * A put whose body does not end in CRLF costs a job id and is answered
   EXPECTED_CRLF; the bytes after the body are read as the next command.
 
-Each command is a tuple whose first item is the command name (interned str); see
-:meth:`Decoder.next_command` for the shapes.
+Each command is a named record (a NamedTuple, so it still reads and compares as a tuple)
+whose first field is the command name (interned str); see :meth:`Decoder.next_command`.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
 
 LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
 MAX_TUBE_NAME = 200
@@ -31,6 +34,99 @@ LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
 
 NAME_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-+/;.$_()")
 C_SPACE = b" \t\n\v\f\r"
+
+
+# -- command records -----------------------------------------------------------------------
+class Bare(NamedTuple):
+    """A command without arguments: reserve, stats, peek-ready, list-tubes, quit, too-big..."""
+
+    name: str
+
+
+class IdArg(NamedTuple):
+    """peek, reserve-job, delete, kick-job, touch, stats-job."""
+
+    name: str
+    job_id: int
+
+
+class TubeArg(NamedTuple):
+    """use, watch, ignore, stats-tube."""
+
+    name: str
+    tube: str
+
+
+class IntArg(NamedTuple):
+    """kick (bound) and reserve-with-timeout (seconds)."""
+
+    name: str
+    value: int
+
+
+class Release(NamedTuple):
+    name: str
+    job_id: int
+    pri: int
+    delay: int
+
+
+class Bury(NamedTuple):
+    name: str
+    job_id: int
+    pri: int
+
+
+class PauseTube(NamedTuple):
+    name: str
+    tube: str
+    delay: int
+
+
+class PutLine(NamedTuple):
+    """A put line without its body ("put"), or ("put-header") a put whose body is still arriving."""
+
+    name: str
+    pri: int
+    delay: int
+    ttr: int
+    size: int
+
+
+class Put(NamedTuple):
+    """A complete put; ``body`` is None when its CRLF was wrong (EXPECTED_CRLF, still costs an id)."""
+
+    name: str
+    pri: int
+    delay: int
+    ttr: int
+    body: bytes | None
+    header_seen: bool
+
+
+class Auth(NamedTuple):
+    name: str
+    token: bytes
+
+
+class Error(NamedTuple):
+    """Answer ``reply``; ``counted`` is the command whose stats counter beanstalkd still bumps."""
+
+    name: str
+    reply: bytes
+    counted: str | None
+
+
+LineCommand = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
+Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine | Put | Auth | Error
+# Parsed lines that repeat endlessly ("put 0 0 60 312", "reserve", "use jobs"), shared by the
+# decoders of one server (see ServerState); bounded: cleared when full.
+LineCache = dict[bytes, LineCommand]
+LINE_CACHE_SIZE = 4096
+TOO_BIG = Bare("too-big")
+# Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
+# NamedTuple constructor is a Python-level function, several times slower than this.
+_new = tuple.__new__
 
 # Replies (constants; formatted ones are built where used).
 BAD_FORMAT = b"BAD_FORMAT\r\n"
@@ -50,6 +146,17 @@ PAUSED = b"PAUSED\r\n"
 NOT_IGNORED = b"NOT_IGNORED\r\n"
 TIMED_OUT = b"TIMED_OUT\r\n"
 DEADLINE_SOON = b"DEADLINE_SOON\r\n"
+
+
+def yaml_list(names: Iterable[str]) -> bytes:
+    body = "---\n" + "".join(f"- {n}\n" for n in names)
+    data = body.encode()
+    return b"OK %d\r\n%s\r\n" % (len(data), data)
+
+
+def yaml_ok(text: str) -> bytes:
+    data = text.encode()
+    return b"OK %d\r\n%s\r\n" % (len(data), data)
 
 # Command words in the order beanstalkd's which_cmd() tests them (prefix match).
 _PREFIXES: tuple[tuple[bytes, str], ...] = (
@@ -182,7 +289,7 @@ def _name_arg(line: bytes, start: int) -> str:
     return name.decode("ascii")
 
 
-def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> tuple | None:
+def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> LineCommand | None:
     """Well-formed lines (single spaces, plain digits) parsed without the character loops.
 
     Returns None when the line is not in canonical form; the exact parser then decides.
@@ -194,51 +301,48 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> tuple | Non
             if pri <= U32_MAX and delay <= U32_MAX and ttr <= U32_MAX and size <= U32_MAX:
                 if size > max_job_size:
                     raise TooBig(size + 2)
-                return ("put", pri, delay, ttr, size)
+                return _new(PutLine, ("put", pri, delay, ttr, size))
         return None
     if name in _ID_ONLY:
         if n == 2 and parts[1].isdigit():
             value = int(parts[1])
             if value <= U64_MAX:
-                return (name, value)
+                return _new(IdArg, (name, value))
         return None
     if name in _BARE:
-        return (name,) if n == 1 else None
+        return Bare(name) if n == 1 else None
     if name in _NAME_ONLY:
         if n == 2 and valid_tube_name(parts[1]):
-            return (name, parts[1].decode("ascii"))
+            return TubeArg(name, parts[1].decode("ascii"))
         return None
     if name == "release":
         if n == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3].isdigit():
             job_id, pri, delay = int(parts[1]), int(parts[2]), int(parts[3])
             if job_id <= U64_MAX and pri <= U32_MAX and delay <= U32_MAX:
-                return (name, job_id, pri, delay)
+                return _new(Release, (name, job_id, pri, delay))
         return None
     if name == "reserve-with-timeout":
         if n == 2 and parts[1].isdigit() and len(parts[1]) < 10:
-            return (name, int(parts[1]))
+            return IntArg(name, int(parts[1]))
         return None
     return None
 
 
-# Lines without a job id repeat endlessly ("put 0 0 60 312", "reserve", "use jobs"): their
-# parse is cached. Bounded: cleared when full.
-_LINE_CACHE: dict[bytes, tuple] = {}
-_LINE_CACHE_SIZE = 4096
 _UNCACHED = _ID_ONLY | {"release"}
 
 
-def parse_line(line: bytes, max_job_size: int) -> tuple:
-    """Parse one command line (without CRLF) into a command tuple; raises ParseError."""
-    cmd = _LINE_CACHE.get(line)
-    if cmd is not None:
-        if cmd[0] == "put" and cmd[4] > max_job_size:
-            raise TooBig(cmd[4] + 2)
-        return cmd
-    return _parse_uncached(line, max_job_size)
+def parse_line(line: bytes, max_job_size: int, cache: LineCache | None = None) -> LineCommand:
+    """Parse one command line (without CRLF) into a command record; raises ParseError."""
+    if cache is not None:
+        cmd = cache.get(line)
+        if cmd is not None:
+            if isinstance(cmd, PutLine) and cmd.size > max_job_size:
+                raise TooBig(cmd.size + 2)
+            return cmd
+    return _parse_uncached(line, max_job_size, cache)
 
 
-def _parse_uncached(line: bytes, max_job_size: int) -> tuple:
+def _parse_uncached(line: bytes, max_job_size: int, cache: LineCache | None) -> LineCommand:
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")
@@ -246,40 +350,40 @@ def _parse_uncached(line: bytes, max_job_size: int) -> tuple:
     if name is not None:
         cmd = _fast_parse(parts, name, max_job_size)
         if cmd is not None:
-            if name not in _UNCACHED:
-                if len(_LINE_CACHE) >= _LINE_CACHE_SIZE:
-                    _LINE_CACHE.clear()
-                _LINE_CACHE[line] = cmd
+            if cache is not None and name not in _UNCACHED:
+                if len(cache) >= LINE_CACHE_SIZE:
+                    cache.clear()
+                cache[line] = cmd
             return cmd
     name = classify(line)
     if name is None:
         raise ParseError(UNKNOWN_COMMAND)
     if name in _ID_ONLY:
         job_id, _ = read_uint(line, len(name) + 1, U64_MAX, True)
-        return (name, job_id)
+        return IdArg(name, job_id)
     if name in _BARE:
         if len(line) != len(name):
             raise ParseError(BAD_FORMAT)
-        return (name,)
+        return Bare(name)
     if name == "put":
         return _parse_put(line, max_job_size)
     if name in _NAME_ONLY:
-        return (name, _name_arg(line, len(name) + 1))
+        return TubeArg(name, _name_arg(line, len(name) + 1))
     if name == "release":
         job_id, pos = read_uint(line, 8, U64_MAX, False)
         pri, pos = read_uint(line, pos, U32_MAX, False)
         delay, _ = read_uint(line, pos, U32_MAX, True)
-        return (name, job_id, pri, delay)
+        return Release(name, job_id, pri, delay)
     if name == "bury":
         job_id, pos = read_uint(line, 5, U64_MAX, False)
         pri, _ = read_uint(line, pos, U32_MAX, True)
-        return (name, job_id, pri)
+        return Bury(name, job_id, pri)
     if name == "reserve-with-timeout":
-        return (name, parse_strtol_int(line[21:]))
+        return IntArg(name, parse_strtol_int(line[21:]))
     if name == "kick":
-        return (name, parse_strtoul_u32(line[5:]))
+        return IntArg(name, parse_strtoul_u32(line[5:]))
     if name == "quit":
-        return (name,)
+        return Bare(name)
     if name == "pause-tube":
         return _parse_pause(line)
     raise ParseError(UNKNOWN_COMMAND)  # pragma: no cover - every name is handled above
@@ -292,7 +396,7 @@ class TooBig(Exception):
         self.skip = skip
 
 
-def _parse_put(line: bytes, max_job_size: int) -> tuple:
+def _parse_put(line: bytes, max_job_size: int) -> PutLine:
     pri, pos = read_uint(line, 4, U32_MAX, False)
     delay, pos = read_uint(line, pos, U32_MAX, False)
     ttr, pos = read_uint(line, pos, U32_MAX, False)
@@ -301,10 +405,10 @@ def _parse_put(line: bytes, max_job_size: int) -> tuple:
         raise TooBig(size + 2)
     if pos != len(line):
         raise ParseError(BAD_FORMAT, counted="put")
-    return ("put", pri, delay, ttr, size)
+    return PutLine("put", pri, delay, ttr, size)
 
 
-def _parse_pause(line: bytes) -> tuple:
+def _parse_pause(line: bytes) -> PauseTube:
     pos = _skip_spaces(line, 10)
     end = pos
     n = len(line)
@@ -316,7 +420,7 @@ def _parse_pause(line: bytes) -> tuple:
     name = line[pos:end]
     if len(name) > MAX_TUBE_NAME or name[0] == 45:
         raise ParseError(BAD_FORMAT, counted="pause-tube")
-    return ("pause-tube", name.decode("ascii"), delay)
+    return PauseTube("pause-tube", name.decode("ascii"), delay)
 
 
 # Decoder modes
@@ -329,28 +433,39 @@ class Decoder:
     ``feed(data)`` appends bytes; ``next_command()`` returns the next complete item or
     None when more input is needed. Items:
 
-    * ``(name, *args)``: a parsed command (``put`` comes as
-      ``("put", pri, delay, ttr, body, header_seen)``; ``body`` is None when the trailing
-      CRLF was wrong, which is answered EXPECTED_CRLF but still costs an id);
-    * ``("put-header", pri, delay, ttr, size)``: a put line whose body has not fully
-      arrived yet (beanstalkd assigns the id at this moment); the matching ``put``
+    * a parsed command record (a put comes as :class:`Put`);
+    * ``PutLine("put-header", pri, delay, ttr, size)``: a put line whose body has not fully
+      arrived yet (beanstalkd assigns the id at this moment); the matching :class:`Put`
       follows with ``header_seen`` True;
-    * ``("error", reply, counted)``: answer ``reply``; ``counted`` is the command
-      whose stats counter beanstalkd still increments, or None;
-    * ``("too-big",)``: a put over the size limit was parsed (counted as a put); its
-      ``("error", JOB_TOO_BIG, None)`` comes once the body has been skipped.
+    * ``Error("error", reply, counted)``: answer ``reply``;
+    * ``Bare("too-big")``: a put over the size limit was parsed (counted as a put); its
+      ``Error("error", JOB_TOO_BIG, None)`` comes once the body has been skipped.
+
+    ``line_cache`` is shared by the decoders of one server (a fresh one when not given).
     """
 
-    __slots__ = ("buf", "pos", "max_job_size", "mode", "need", "pending", "header_sent", "auth_enabled")
+    __slots__ = (
+        "auth_enabled",
+        "buf",
+        "header_sent",
+        "line_cache",
+        "max_job_size",
+        "mode",
+        "need",
+        "pending",
+        "pos",
+    )
 
-    def __init__(self, max_job_size: int = DEFAULT_MAX_JOB_SIZE, auth_enabled: bool = False) -> None:
+    def __init__(self, max_job_size: int = DEFAULT_MAX_JOB_SIZE, auth_enabled: bool = False,
+                 line_cache: LineCache | None = None) -> None:
+        self.line_cache: LineCache = {} if line_cache is None else line_cache
         self.auth_enabled = auth_enabled  # the `auth <token>` extension (broker.security)
         self.buf = bytearray()
         self.pos = 0
         self.max_job_size = max_job_size
         self.mode = _LINE
         self.need = 0
-        self.pending: tuple | None = None
+        self.pending: PutLine | None = None
         self.header_sent = False
 
     def feed(self, data: bytes) -> None:
@@ -367,7 +482,7 @@ class Decoder:
         """Bytes received but not yet consumed."""
         return len(self.buf) - self.pos
 
-    def parse_packet(self, data: bytes) -> tuple | None:
+    def parse_packet(self, data: bytes) -> Command | None:
         """The command ``data`` holds, if it is exactly one well-formed command and nothing
         is buffered; None otherwise (then :meth:`feed` it).
 
@@ -381,22 +496,22 @@ class Decoder:
         if end < 0 or end > LINE_LIMIT - 2 or end + 1 == len(data) or data[end + 1] != 10:
             return None
         line = data[:end]
-        cmd = _LINE_CACHE.get(line)
+        cmd = self.line_cache.get(line)
         if cmd is None:
             if self.auth_enabled and line.startswith(b"auth "):
                 return None
             try:
-                cmd = _parse_uncached(line, self.max_job_size)
+                cmd = _parse_uncached(line, self.max_job_size, self.line_cache)
             except (ParseError, TooBig):
                 return None  # answered by the exact path
-        if cmd[0] == "put":
-            size = cmd[4]
+        if type(cmd) is PutLine:
+            _, pri, delay, ttr, size = cmd
             if size > self.max_job_size or len(data) != end + size + 4 or data[-2] != 13 or data[-1] != 10:
                 return None
-            return ("put", cmd[1], cmd[2], cmd[3], data[end + 2:-2], False)
+            return _new(Put, ("put", pri, delay, ttr, data[end + 2:-2], False))
         return cmd if len(data) == end + 2 else None
 
-    def next_command(self) -> tuple | None:
+    def next_command(self) -> Command | None:
         mode = self.mode
         if mode == _LINE:
             if self.pos >= len(self.buf):
@@ -420,13 +535,13 @@ class Decoder:
             return -1
         return cr if buf[cr + 1] == 10 else -2
 
-    def _next_line(self) -> tuple | None:
+    def _next_line(self) -> Command | None:
         buf = self.buf
         start = self.pos
         avail = len(buf) - start
         if avail <= 0:
             return None
-        window_end = start + (avail if avail < LINE_LIMIT else LINE_LIMIT)
+        window_end = start + (min(LINE_LIMIT, avail))
         cr = buf.find(b"\r", start, window_end - 1)
         if cr < 0 or buf[cr + 1] != 10:
             if window_end - start >= LINE_LIMIT:
@@ -437,62 +552,57 @@ class Decoder:
         line = bytes(buf[start:cr])
         self.pos = cr + 2
         if self.auth_enabled and line.startswith(b"auth "):
-            return ("auth", line[5:])
+            return Auth("auth", line[5:])
         try:
-            cmd = parse_line(line, self.max_job_size)
+            cmd = parse_line(line, self.max_job_size, self.line_cache)
         except ParseError as err:
-            return ("error", err.reply, err.counted)
+            return Error("error", err.reply, err.counted)
         except TooBig as big:
             self.mode = _SKIP
             self.need = big.skip
-            return ("too-big",)
-        if cmd[0] == "put":
+            return TOO_BIG
+        if isinstance(cmd, PutLine):
             body_start = cr + 2
-            end = body_start + cmd[4] + 2
+            end = body_start + cmd.size + 2
             if len(buf) >= end:  # the whole body is here already: the common case
                 self.pos = end
                 body = bytes(buf[body_start:end - 2]) if buf[end - 2] == 13 and buf[end - 1] == 10 else None
-                return ("put", cmd[1], cmd[2], cmd[3], body, False)
+                return _new(Put, ("put", cmd.pri, cmd.delay, cmd.ttr, body, False))
             self.pending = cmd
-            self.need = cmd[4] + 2
+            self.need = cmd.size + 2
             self.header_sent = False
             self.mode = _BODY
             return self._next_body()
         return cmd
 
-    def _next_body(self) -> tuple | None:
+    def _next_body(self) -> Command | None:
         buf = self.buf
         start = self.pos
         need = self.need
+        pending = self.pending
+        assert pending is not None  # _BODY mode is entered with the put line
         if len(buf) - start < need:
             if not self.header_sent:
                 self.header_sent = True
-                _, pri, delay, ttr, size = self._pending()
-                return ("put-header", pri, delay, ttr, size)
+                return pending._replace(name="put-header")
             return None
         end = start + need
         body = bytes(buf[start:end - 2]) if buf[end - 2:end] == b"\r\n" else None
         self.pos = end
         self.mode = _LINE
-        _, pri, delay, ttr, _size = self._pending()
         self.pending = None
-        return ("put", pri, delay, ttr, body, self.header_sent)
+        return Put("put", pending.pri, pending.delay, pending.ttr, body, self.header_sent)
 
-    def _pending(self) -> tuple:
-        pending = self.pending
-        assert pending is not None, "a body is awaited only after its put line"
-        return pending
-
-    def _next_skip(self) -> tuple | None:
+    def _next_skip(self) -> Command | None:
         take = min(self.need, len(self.buf) - self.pos)
         self.pos += take
         self.need -= take
         if self.need:
             return None
         self.mode = _LINE
-        return ("error", JOB_TOO_BIG, None)
+        return Error("error", JOB_TOO_BIG, None)
 
-    def _next_endline(self) -> tuple | None:
+    def _next_endline(self) -> Command | None:
         # Discarding an over-long line in 224-byte chunks until a chunk holds CRLF.
         buf = self.buf
         while True:
@@ -500,12 +610,12 @@ class Decoder:
             avail = len(buf) - start
             if avail <= 0:
                 return None
-            window_end = start + (avail if avail < LINE_LIMIT else LINE_LIMIT)
+            window_end = start + (min(LINE_LIMIT, avail))
             cr = self._find_line_end(start, window_end)
             if cr >= 0:
                 self.pos = cr + 2
                 self.mode = _LINE
-                return ("error", BAD_FORMAT, None)
+                return Error("error", BAD_FORMAT, None)
             if window_end - start < LINE_LIMIT:
                 return None
             self.pos = window_end

@@ -11,7 +11,7 @@ cannot grow it without bound.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 NEVER = 1 << 62
 
@@ -25,7 +25,7 @@ TUBE_UNPAUSE = 3
 class TimerHeap:
     """A min-heap of (when_ns, seq, kind, owner) with lazy invalidation."""
 
-    __slots__ = ("_heap", "_seq", "_is_current", "earliest_pushed")
+    __slots__ = ("_heap", "_is_current", "_seq", "earliest_pushed")
 
     def __init__(self, is_current: Callable[[int, int, object], bool]) -> None:
         self._heap: list[tuple[int, int, int, object]] = []
@@ -41,8 +41,7 @@ class TimerHeap:
     def push(self, when: int, kind: int, owner: object) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, kind, owner))
-        if when < self.earliest_pushed:
-            self.earliest_pushed = when
+        self.earliest_pushed = min(self.earliest_pushed, when)
 
     def next_deadline(self) -> int | None:
         """The earliest live deadline, dropping stale entries on the way."""

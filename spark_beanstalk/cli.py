@@ -11,9 +11,13 @@ def main() -> None:
 
 
 def _register_subcommands() -> None:
-    from spark_beanstalk import ops
+    from spark_beanstalk import ops, ops_tubes
+    from spark_beanstalk.dashboard.command import dashboard_command
 
     ops.register(main)
+    for command in ops_tubes.COMMANDS:
+        main.add_command(command)
+    main.add_command(dashboard_command)
     try:
         from broker.cli import broker_command
     except ModuleNotFoundError as exc:  # only while broker/cli.py is not written yet

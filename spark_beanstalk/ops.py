@@ -8,6 +8,9 @@
     spark-beanstalk delete ID... | --buried TUBE [--count N|--all]
     spark-beanstalk pause TUBE SECONDS
     spark-beanstalk top                        # live view of tubes and rates
+    spark-beanstalk clear TUBE [--state S]     # (ops_tubes.py, with tubeops.py)
+    spark-beanstalk move SRC DST [--state S] [-n N]
+    spark-beanstalk dashboard -H H:P[,H:P]     # the web dashboard (dashboard/)
 
 Every verb takes ``--host/-H host:port`` (default ``$SPARK_BEANSTALK_HOST`` or
 127.0.0.1:11300) and ``--json`` (machine-readable output on stdout). People get rich

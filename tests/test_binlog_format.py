@@ -102,7 +102,7 @@ def test_every_state_and_counter_survives_a_crash(tmp_path):
     assert after[delayed][0] == "delayed"
     job = h2.queue.jobs[delayed]
     assert 295 * 10**9 < job.deadline - h2.queue.clock() <= 300 * 10**9
-    assert h2.queue.jobs[reserved].reserves == 0  # reserve is not logged: the last record had 0
+    assert h2.queue.jobs[reserved].reserves == 1  # reserves are logged (issue 11): the reserve survives
     assert h2.put(b"next") > gone  # ids continue
     h2.close()
 

@@ -64,14 +64,7 @@ class Harness:
         self.log.close()
 
     def crash(self) -> None:
-        log = self.log
-        log._stopping = True
-        for name in ("_fd", "_spare_fd", "_dirfd", "_lockfd"):
-            fd = getattr(log, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(log, name, -1)
-        log._closed = True
+        self.log.abandon()
 
     def reopen(self, **overrides) -> "Harness":
         args = {**self.args, **overrides}

@@ -251,3 +251,30 @@ def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
         for sock in socks:
             sock.close()
         proc.kill()
+
+
+@pytest.mark.parametrize("flags", [["-f", "0"], ["-f", "50"]])
+def test_reserves_survive_sigkill(tmp_path, flags):
+    """Issue 11: a job reserved twice (released between) comes back with reserves 2 after a SIGKILL.
+
+    The second reserve is the last thing the broker did: its record is written before the
+    RESERVED reply (no fsync waited for), so a SIGKILL does not lose it.
+    """
+    d = str(tmp_path / "bl")
+    proc = start_ours(d, *flags)
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            job_id = conn.put(b"counted", ttr=100)
+            for attempt in range(2):
+                got = conn.reserve(timeout=5)
+                assert got is not None and got.id == job_id
+                if attempt == 0:
+                    assert conn.release(job_id)
+            assert conn.stats_job(job_id)["reserves"] == 2
+        proc.kill()
+        proc = start_ours(d, *flags)
+        with Connection(proc.host, proc.port) as conn:
+            stats = conn.stats_job(job_id)
+            assert stats["reserves"] == 2 and stats["releases"] == 1 and stats["state"] == "ready"
+    finally:
+        proc.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from spark_beanstalk.cli import main
 from spark_beanstalk.client import Connection
 from spark_beanstalk.embedded import free_port
 from spark_beanstalk.ops import TopSampler
+from tests.helpers import wait_until
 
 VERBS_READ_ONLY = [
     ["stats"],
@@ -371,12 +373,12 @@ def test_unreachable_server_exits_2_with_one_line(verb):
 def test_unreachable_server_as_a_real_process():
     dead = f"127.0.0.1:{free_port()}"
     proc = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "tubes", "--json"], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "SPARK_BEANSTALK_HOST": dead})
+                          check=False, text=True, timeout=60, env={**os.environ, "SPARK_BEANSTALK_HOST": dead})
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"Error: cannot connect to a beanstalkd server at {dead}: Connection refused "
-        f"(is it running? set --host or $SPARK_BEANSTALK_HOST)"
+        (f"Error: cannot connect to a beanstalkd server at {dead}: Connection refused "
+         f"(is it running? set --host or $SPARK_BEANSTALK_HOST)")
     ]
 
 
@@ -494,3 +496,125 @@ def test_token_auth(server_factory, tmp_path):
 
     bad = cli(srv, "tubes", "--token-file", str(wrong))
     assert bad.exit_code == 2 and "refused the token" in bad.stderr and "Traceback" not in bad.output
+
+
+# --- clear / move (spark_beanstalk.tubeops) ----------------------------------------------------
+
+
+def _fill(conn: Connection, tube: str, ready: int = 0, delayed: int = 0, buried: int = 0) -> None:
+    conn.use(tube)
+    if buried:
+        conn.watch_only([tube])
+        for i in range(buried):
+            conn.put(b"b%d" % i, priority=9)
+        for _ in range(buried):
+            job = conn.reserve(0)
+            assert job is not None and conn.bury(job.id, 7)
+        conn.watch_only(["default"])
+    for i in range(ready):
+        conn.put(b"r%d" % i, priority=5, ttr=33)
+    for i in range(delayed):
+        conn.put(b"d%d" % i, delay=100)
+
+
+def _counts(conn: Connection, tube: str) -> dict[str, int]:
+    st = conn.stats_tube(tube) or {}
+    return {s: int(st.get(f"current-jobs-{s}", 0)) for s in ("ready", "reserved", "delayed", "buried")}
+
+
+def test_clear_by_state_then_all_leaves_reserved_jobs(server, conn, conn_factory):
+    _fill(conn, "clr", ready=3, delayed=2, buried=2)
+    worker = conn_factory(server)
+    worker.use("clr")
+    worker.put(b"held")
+    worker.watch_only(["clr"])
+    assert worker.reserve(0) is not None  # the highest-priority ready job: "r0" (pri 5) stays reserved
+    assert cli(server, "clear", "clr").exit_code == 2  # no terminal and no --yes: refuses
+    out = cli_json(server, "clear", "clr", "--state", "buried", "--yes")
+    assert out["deleted"] == 2 and out["by_state"]["buried"] == 2
+    assert _counts(conn, "clr") == {"ready": 3, "reserved": 1, "delayed": 2, "buried": 0}
+    result = cli(server, "clear", "clr", "--yes")
+    assert result.exit_code == 0
+    assert "deleted 5 job(s) from tube 'clr' (ready 3, delayed 2)" in result.stdout
+    assert _counts(conn, "clr") == {"ready": 0, "reserved": 1, "delayed": 0, "buried": 0}
+
+
+def test_move_keeps_priority_delay_ttr_and_burial(server, conn):
+    _fill(conn, "src", ready=2, delayed=1, buried=1)
+    out = cli_json(server, "move", "src", "dst", "-n", "1", "--state", "ready")
+    assert out["moved"] == 1
+    assert _counts(conn, "src")["ready"] == 1 and _counts(conn, "dst")["ready"] == 1
+    out = cli_json(server, "move", "src", "dst")
+    assert out["moved"] == 3 and out["by_state"] == {"ready": 1, "delayed": 1, "buried": 1}
+    assert _counts(conn, "src") == {"ready": 0, "reserved": 0, "delayed": 0, "buried": 0}
+    assert _counts(conn, "dst") == {"ready": 2, "reserved": 0, "delayed": 1, "buried": 1}
+    conn.use("dst")
+    ready = conn.peek_ready()
+    assert ready is not None and ready.body in (b"r0", b"r1")
+    st = conn.stats_job(ready.id)
+    assert st is not None and (st["pri"], st["ttr"]) == (5, 33)
+    delayed = conn.peek_delayed()
+    assert delayed is not None and delayed.body == b"d0"
+    assert 95 <= int(conn.stats_job(delayed.id)["time-left"]) <= 100
+    buried = conn.peek_buried()
+    assert buried is not None and buried.body == b"b0" and conn.stats_job(buried.id)["pri"] == 7
+    assert cli(server, "move", "dst", "dst").exit_code == 2
+
+
+def test_interrupted_move_loses_and_duplicates_nothing(server, conn, conn_factory):
+    """SIGINT in the middle of a real `spark-beanstalk move`: every job is in exactly one tube."""
+    total = 4000
+    conn.use("big")
+    bodies = {b"job-%05d" % i for i in range(total)}
+    for _ in conn.pipeline([b"put 100 0 60 9\r\n" + body + b"\r\n" for body in sorted(bodies)]):
+        pass
+    proc = subprocess.Popen([sys.executable, "-m", "spark_beanstalk.cli", "move", "big", "moved", "-H", server.address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        wait_until(lambda: _counts(conn, "moved")["ready"] >= 300, 30, what="the move to be under way")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "stopped early: moved" in stdout, stdout
+    left, moved = _counts(conn, "big")["ready"], _counts(conn, "moved")["ready"]
+    assert 0 < left and 0 < moved and left + moved == total
+    seen: list[bytes] = []
+    reader = conn_factory(server)
+    reader.watch_only(["big", "moved"])
+    while (job := reader.reserve(0)) is not None:
+        seen.append(job.body)
+    assert len(seen) == total and set(seen) == bodies
+
+
+def test_clear_shows_a_progress_bar_on_a_terminal(broker, conn_factory):
+    """On a terminal (a pty here) a large clear draws rich's bar on stderr; the summary stays on stdout."""
+    conn = conn_factory(broker)
+    conn.use("lots")
+    for _ in conn.pipeline([b"put 1 0 60 1\r\nx\r\n"] * 500):
+        pass
+    primary, secondary = os.openpty()
+    try:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "clear", "lots", "--yes",
+                                   "-H", broker.address], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=secondary, text=True, check=False, timeout=60,
+                                  env={**os.environ, "PYTHONPATH": os.getcwd(), "COLUMNS": "100"})
+        finally:
+            os.close(secondary)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0
+    assert "deleted 500 job(s) from tube 'lots' (ready 500)" in proc.stdout
+    assert b"clearing lots" in drawn and b"500" in drawn

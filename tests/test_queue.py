@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from broker import protocol as p
+from broker import stats as broker_stats
 from broker.queue import NS, Queue
 
 
@@ -84,7 +85,7 @@ def test_ttr_expiry_returns_job_and_counts_timeout(queue, clock):
     c.reserve()
     clock.advance(2.1)
     queue.tick()
-    stats = queue.stats_job(c.client, jid)
+    stats = broker_stats.stats_job(queue, c.client, jid)
     assert b"state: ready" in stats and b"timeouts: 1" in stats
     assert queue.timeout_ct == 1
 
@@ -97,13 +98,13 @@ def test_touch_postpones_ttr(queue, clock):
         clock.advance(1.5)
         assert queue.touch(c.client, jid) == p.TOUCHED
         queue.tick()
-    assert b"state: reserved" in queue.stats_job(c.client, jid)
+    assert b"state: reserved" in broker_stats.stats_job(queue, c.client, jid)
 
 
 def test_ttr_zero_becomes_one_second(queue):
     c = Conn(queue)
     reply = queue.put(c.client, 0, 0, 0, b"x")
-    assert b"ttr: 1\n" in queue.stats_job(c.client, job_id(reply))
+    assert b"ttr: 1\n" in broker_stats.stats_job(queue, c.client, job_id(reply))
 
 
 def test_deadline_soon_while_holding_expiring_job(queue, clock):
@@ -169,9 +170,9 @@ def test_kick_prefers_buried_over_delayed(queue):
     c.reserve()
     assert queue.bury(c.client, buried, 5) == p.BURIED
     assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
-    assert b"state: delayed" in queue.stats_job(c.client, delayed)
+    assert b"state: delayed" in broker_stats.stats_job(queue, c.client, delayed)
     assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
-    assert b"state: ready" in queue.stats_job(c.client, delayed)
+    assert b"state: ready" in broker_stats.stats_job(queue, c.client, delayed)
 
 
 def test_pause_tube_holds_reservations_until_unpaused(queue, clock):

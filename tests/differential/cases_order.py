@@ -108,9 +108,11 @@ CASES = [
          send("c2", b"stats-job 1\r\nstats-job 2\r\nstats-job 3\r\nstats-job 4\r\n", n=4),
          send("c2", b"stats-tube persist\r\n"),
          send("c2", put(b"new")),
-         args=["-b", "{dir}"], deliberate=["buries"],
+         args=["-b", "{dir}"], deliberate=["buries", "reserves"],
          note="beanstalkd counts a buried job's bury again when it replays its binlog (buries 1 -> 2); "
-              "we restore the counter as it was"),
+              "we restore the counter as it was. beanstalkd does not log reserves (a job reserved "
+              "before the restart comes back with reserves 0); we do (issue 11), so it keeps reserves 1 "
+              "(tests/test_binlog_process.py::test_reserves_survive_sigkill checks the value)"),
     case("binlog_jobs_survive_kill",
          send("c1", put(b"one") + put(b"two", delay=50) + b"delete 1\r\n" + put(b"three"), n=4),
          restart("kill"),
@@ -143,7 +145,9 @@ CASES = [
          restart("kill"),
          send("c2", b"stats-job 1\r\nstats-job 2\r\n", n=2),
          send("c2", b"list-tubes\r\nstats-tube keep\r\n", n=2),
-         args=["-b", "{dir}"]),
+         args=["-b", "{dir}"], deliberate=["reserves"],
+         note="we log reserves (issue 11): job 2, reserved when the broker was killed, keeps reserves 1; "
+              "beanstalkd does not log them and shows 0"),
     case("binlog_pause_is_not_persisted",
          send("c1", b"use p\r\n" + put(b"x") + b"pause-tube p 100\r\n", n=3),
          restart(),

@@ -1,0 +1,289 @@
+"""Binlog recovery: read every segment at start, then hand the live jobs to the queue.
+
+Reading (:class:`Scanner`) goes segment by segment (:meth:`Scanner.scan_segment`) and
+record by record (:meth:`Scanner.apply_record`), checking every CRC with
+:func:`broker.binlog_format.check_record`. A bad record at the end of the newest segment
+is a torn write from the crash: dropped with a warning naming the file and offset, and the
+segment is truncated there. A bad record with valid records after it, or in an older
+segment, is damage: :class:`BinlogError` (refuse to start) unless ``ignore_damage``.
+
+Restoring (:func:`restore_records`) decodes only the latest record of each live job, as
+:class:`RecoveredJob` records in log order (buried jobs last, in the order they were
+buried), letting go of each segment's bytes once its jobs are out.
+"""
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from broker import binlog_format as fmt
+from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
+from broker.queue import BURIED, DELAYED, READY
+from broker.queue_restore import RecoveredJob
+
+LOC_BITS = 40
+LOC_MASK = (1 << LOC_BITS) - 1
+
+
+@dataclass
+class ScanResult:
+    """What the scan found, until the restore puts it in the queue.
+
+    Kept compact for big logs: a job is the *location* of its latest K_JOB record,
+    ``(n << 40) | offset`` with ``n`` the position of its segment in ``datas`` (locations
+    grow in log order, so they double as sequence numbers); its fields are decoded once,
+    when it is restored.
+    """
+
+    jobs: dict[int, int] = field(default_factory=dict)  # id -> location of its latest K_JOB record
+    updates: dict[int, tuple[int, fmt.UpdateRecord]] = field(default_factory=dict)  # newer K_UPDATE
+    datas: list[bytes | None] = field(default_factory=list)  # segment contents, by position
+    full_ids: list[array[int] | None] = field(default_factory=list)  # by position: ids of its K_JOB records
+    indexes: list[int] = field(default_factory=list)  # segment index, by position
+    max_id: int = 0
+    records: int = 0
+    segments: list[int] = field(default_factory=list)  # indexes kept, ascending
+    sizes: dict[int, int] = field(default_factory=dict)  # index -> bytes of valid data
+    damaged: list[int] = field(default_factory=list)  # indexes with damage skipped (ignore_damage)
+    seconds: float = 0.0
+    torn: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+class Scanner:
+    """Reads every segment of a binlog directory into a :class:`ScanResult`."""
+
+    def __init__(self, directory: BinlogDir, ignore_damage: bool) -> None:
+        self.dir = directory
+        self.ignore_damage = ignore_damage
+        self.result = ScanResult()
+        self._last_report = 0.0
+
+    def scan(self) -> ScanResult:
+        t0 = self._last_report = time.monotonic()
+        indexes = self._drop_unused_spare(self.dir.indexes())
+        for n, idx in enumerate(indexes):
+            self.scan_segment(n, len(indexes), idx)
+        self.result.seconds = time.monotonic() - t0
+        return self.result
+
+    def _drop_unused_spare(self, indexes: list[int]) -> list[int]:
+        """An unused spare (allocated, header never written) can only be the newest file."""
+        while indexes:
+            path = self.dir.segment(indexes[-1])
+            with open(path, "rb") as fh:
+                head = fh.read(fmt.HEADER_SIZE)
+            if head.strip(b"\0") or not fmt.only_zeros(read_file(path), 0, os.path.getsize(path)):
+                break
+            self.dir.remove(indexes.pop())
+        return indexes
+
+    def scan_segment(self, n: int, total: int, idx: int) -> None:
+        """Read segment ``idx`` (the n-th of ``total``): check its header, apply its records."""
+        rec = self.result
+        path = self.dir.segment(idx)
+        newest = n == total - 1
+        try:
+            data = read_file(path)
+        except OSError as exc:
+            raise BinlogError(f"cannot read binlog segment {path}: {exc.strerror}") from None
+        end = len(data)
+        try:
+            _version, hidx, hmax, _created = fmt.decode_header(data)
+            if hidx != idx:
+                raise fmt.FormatError(0, f"header says segment {hidx}, file name says {idx}")
+        except fmt.FormatError as exc:
+            if newest and fmt.only_zeros(data, min(end, fmt.HEADER_SIZE), end):
+                # the header of a brand-new segment was being written: nothing in it
+                rec.torn.append((path, 0, exc.reason))
+                say(f"WARNING: {path}: torn segment header ({exc.reason}); the segment holds no record, removed")
+                self.dir.remove(idx)
+                return
+            self._damage(path, idx, 0, exc.reason, None)
+            return  # ignore_damage: the whole segment is unreadable
+        rec.max_id = max(rec.max_id, hmax)
+        base = len(rec.datas) << LOC_BITS
+        rec.datas.append(data)
+        rec.indexes.append(idx)
+        seg_ids: array[int] = array("Q")
+        rec.full_ids.append(seg_ids)
+        valid_end = self._read_records(data, path, idx, newest, base, seg_ids, f"segment {n + 1}/{total}")
+        rec.segments.append(idx)
+        rec.sizes[idx] = valid_end
+        if rec.torn and rec.torn[-1][0] == path:
+            # a torn tail: cut it off so that this segment is clean for the next start
+            truncate_file(path, rec.torn[-1][1])
+        elif end > valid_end and idx not in rec.damaged:
+            truncate_file(path, valid_end)  # only zeros there: allocated space never written
+
+    def _read_records(self, data: bytes, path: str, idx: int, newest: bool, base: int, seg_ids: array[int],
+                      where: str) -> int:
+        """Apply every valid record of one segment; returns the end of its valid data."""
+        end = len(data)
+        pos = valid_end = fmt.HEADER_SIZE
+        with memoryview(data) as mv:
+            while True:
+                try:
+                    stop = fmt.check_record(mv, pos, end)
+                except fmt.FormatError as exc:
+                    pos = self._bad(path, idx, data, pos, end, newest, exc.reason)
+                    if pos < 0:
+                        break
+                    continue
+                if stop == pos:
+                    break  # zeros: the end of the data
+                self.apply_record(data, pos, base, seg_ids)
+                pos = valid_end = stop
+                if not self.result.records & 0xFFFF:
+                    self._progress(where, idx)
+        return valid_end
+
+    def apply_record(self, data: bytes, pos: int, base: int, seg_ids: array[int]) -> None:
+        """One checked record: the last K_JOB/K_UPDATE of a job wins until a K_DELETE removes it."""
+        rec = self.result
+        rec.records += 1
+        kind = data[pos + fmt.FRAME_SIZE]
+        if kind == fmt.K_UPDATE:
+            update = fmt.decode_update(data, pos)
+            jid = update.job_id
+            full = rec.jobs.get(jid)
+            if full is None:
+                return  # its K_JOB is in a deleted segment
+            if update.state != fmt.S_RESERVED:
+                rec.updates[jid] = (base | pos, update)
+                return
+            # A reserve: only the counters move; the job comes back in the state it was
+            # reserved from (that of the record before), at that record's place in the log.
+            prev = rec.updates.get(jid)
+            if prev is None:
+                rec.updates[jid] = (full, update)
+            else:
+                rec.updates[jid] = (prev[0], prev[1]._replace(reserves=update.reserves, timeouts=update.timeouts,
+                                                              releases=update.releases, buries=update.buries,
+                                                              kicks=update.kicks))
+            return
+        jid = fmt.record_id(data, pos)
+        if kind == fmt.K_JOB:
+            rec.jobs[jid] = base | pos
+            seg_ids.append(jid)
+        else:  # K_DELETE
+            rec.jobs.pop(jid, None)
+        if rec.updates:
+            rec.updates.pop(jid, None)
+        rec.max_id = max(rec.max_id, jid)
+
+    def _progress(self, where: str, idx: int) -> None:
+        now = time.monotonic()
+        if now - self._last_report >= 2.0:
+            self._last_report = now
+            say(f"recovering: {where} ({fmt.segment_name(idx)}), {self.result.records:,} records read, "
+                f"{len(self.result.jobs):,} live jobs so far")
+
+    def _bad(self, path: str, idx: int, data: bytes, pos: int, end: int, newest: bool, reason: str) -> int:
+        """A record that does not decode at ``pos``. Returns where to go on, or -1 to stop reading this file."""
+        nxt = fmt.find_next_valid(data, pos, end)
+        if nxt is None and newest:
+            self.result.torn.append((path, pos, reason))
+            say(f"WARNING: torn record at the end of the log dropped: {path} offset {pos} ({reason}; "
+                f"{end - pos} bytes cut off; it was being written when the broker stopped)")
+            return -1
+        return self._damage(path, idx, pos, reason, nxt)
+
+    def _damage(self, path: str, idx: int, pos: int, reason: str, nxt: int | None) -> int:
+        follows = "valid records follow it" if nxt is not None else "it is not in the newest segment"
+        if not self.ignore_damage:
+            raise BinlogError(
+                f"binlog damaged: {path} at offset {pos}: {reason} ({follows}, so this is not a torn "
+                f"write at the end of the log). Refusing to start rather than silently drop jobs. "
+                f"To start anyway with every job that can still be read, run with --binlog-ignore-damage "
+                f"(the damaged file is kept as {os.path.basename(path)}.damaged); or restore "
+                f"{self.dir.path} from a backup.")
+        say(f"WARNING: damage ignored (--binlog-ignore-damage): {path} at offset {pos}: {reason}; "
+            + (f"skipping {nxt - pos} bytes to the next valid record" if nxt is not None else "rest of the file skipped"))
+        if idx not in self.result.damaged:
+            self.result.damaged.append(idx)
+        return nxt if nxt is not None else -1
+
+
+@dataclass
+class RestoreTally:
+    """What :func:`restore_records` handed out, and where each job lives now."""
+
+    home_ids: dict[int, array[int]]  # segment index -> ids of the jobs whose full record is there
+    live: dict[int, int]  # segment index -> live jobs there
+    jobs: int = 0
+    buried: int = 0
+    bytes: int = 0
+
+
+def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iterator[RecoveredJob]:
+    """The latest state of every live job, in log order, buried jobs last (in burial order).
+
+    Goes segment by segment and lets go of each segment's contents once its jobs are out,
+    so that the log is not held in memory next to the restored jobs. ``wall_off`` turns
+    the log's wall-clock times into the queue's clock.
+    """
+    tube_names: dict[bytes, str] = {}
+    buried: list[tuple[int, RecoveredJob]] = []
+    for seg_no, seg_ids in enumerate(rec.full_ids):
+        data = rec.datas[seg_no]
+        if data is None or seg_ids is None:
+            continue
+        home = rec.indexes[seg_no]
+        home_ids = tally.home_ids[home]
+        here = 0
+        for jid in seg_ids:
+            loc = rec.jobs.get(jid)
+            if loc is None or loc >> LOC_BITS != seg_no:
+                continue  # deleted, or a later K_JOB record of it exists
+            del rec.jobs[jid]
+            job = _recovered(data, loc, home, rec, wall_off, tube_names)
+            home_ids.append(jid)
+            here += 1
+            tally.bytes += fmt.FRAME_SIZE + fmt.record_length(data, loc & LOC_MASK)
+            if job.state == BURIED:
+                update = rec.updates.get(jid)
+                buried.append((loc if update is None else update[0], job))
+            else:
+                yield job
+            rec.updates.pop(jid, None)
+        tally.live[home] += here
+        tally.jobs += here
+        rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
+        rec.full_ids[seg_no] = None
+    tally.buried = len(buried)
+    buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
+    for _, job in buried:
+        yield job
+
+
+def _recovered(data: bytes, loc: int, home: int, rec: ScanResult, wall_off: int,
+               tube_names: dict[bytes, str]) -> RecoveredJob:
+    """Decode one job's K_JOB record, with its newest K_UPDATE applied."""
+    pos = loc & LOC_MASK
+    f = fmt.decode_job(data, pos)
+    tstart = pos + fmt.JOB_RECORD_FIXED
+    bstart = tstart + f.tube_len
+    tb = data[tstart:bstart]
+    name = tube_names.get(tb)
+    if name is None:
+        name = tube_names[tb] = tb.decode("latin-1")
+    body = data[bstart:pos + fmt.FRAME_SIZE + fmt.record_length(data, pos)]
+    newer = rec.updates.get(f.job_id)
+    if newer is not None and newer[1].state != fmt.S_RESERVED:
+        u = newer[1]
+        state, pri, delay, deadline = u.state, u.pri, u.delay, u.deadline
+        counters = (u.reserves, u.timeouts, u.releases, u.buries, u.kicks)
+    else:  # no update, or only reserves since the K_JOB record: its state stands
+        src: fmt.JobRecord | fmt.UpdateRecord = f if newer is None else newer[1]
+        state, pri, delay, deadline = f.state, f.pri, f.delay, f.deadline
+        counters = (src.reserves, src.timeouts, src.releases, src.buries, src.kicks)
+    if state == BURIED:
+        deadline = 0
+    elif state == DELAYED:
+        deadline -= wall_off
+    else:
+        state = READY
+    return RecoveredJob(f.job_id, name, pri, delay, f.ttr, body, state, deadline, f.created - wall_off, counters, home)

@@ -1,0 +1,456 @@
+"""One client connection: bytes in through the codec, commands into the queue, replies out.
+
+``data_received`` feeds the decoder, runs every complete command in order, gathers the
+replies and writes them once. A reserve that has to wait stops the loop for that
+connection only; its later commands stay buffered until the reply has gone out, as in
+beanstalkd. Back-pressure lives in :class:`FlowControl`; what is shared with the server
+(queue, config, loop timer, reply gate) comes in a :class:`broker.state.ServerState`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from broker import logs, security, stats
+from broker import protocol as p
+from broker.limits import OUTPUT_HIGH_WATER, Limits
+from broker.queue import Client, Queue
+from broker.state import ServerState
+
+log = logging.getLogger("broker")
+
+# Commands that map straight onto a Queue method, by argument shape.
+_BY_ID: dict[str, Callable[[Queue, Client, int], bytes]] = {
+    "reserve-job": Queue.reserve_job,
+    "delete": Queue.delete,
+    "touch": Queue.touch,
+    "kick-job": Queue.kick_job,
+    "peek": Queue.peek,
+    "stats-job": stats.stats_job,
+}
+_BY_TUBE: dict[str, Callable[[Queue, Client, str], bytes]] = {
+    "use": Queue.use,
+    "watch": Queue.watch,
+    "ignore": Queue.ignore,
+    "stats-tube": stats.stats_tube,
+}
+_BARE: dict[str, Callable[[Queue, Client], bytes]] = {
+    "peek-ready": Queue.peek_ready,
+    "peek-delayed": Queue.peek_delayed,
+    "peek-buried": Queue.peek_buried,
+    "stats": stats.stats,
+    "list-tubes": Queue.list_tubes,
+    "list-tube-used": Queue.list_tube_used,
+    "list-tubes-watched": Queue.list_tubes_watched,
+}
+# The stats counter (cmd-*) each command bumps; an Error names its own, a put whose header
+# was already counted ("put-header") is not counted again. Counted in _execute only.
+_COUNTED_AS: dict[str, str] = {name: name for name in (*_BY_ID, *_BY_TUBE, *_BARE)}
+_COUNTED_AS.update({"put-header": "put", "too-big": "put", "reserve": "reserve",
+                    "reserve-with-timeout": "reserve-with-timeout", "release": "release", "bury": "bury",
+                    "kick": "kick", "pause-tube": "pause-tube"})
+
+# While a client is blocked in reserve we keep reading (to notice a hang-up), but stop
+# reading once this much unprocessed input has piled up behind the reserve.
+MAX_BUFFER_WHILE_WAITING = 1 << 20
+_FLUSH_BYTES = 1 << 16
+
+
+class FlowControl:
+    """Back-pressure of one connection, both ways.
+
+    Reading stops for two independent reasons: input piling up behind a blocked reserve
+    (``backlog_paused``), and the client not reading its replies (``write_paused``, from
+    the transport's pause_writing). Reading resumes only when neither holds. A client that
+    stays paused past --slow-reader-timeout, or leaves more than --max-output-bytes unread,
+    is to be closed (the connection decides how).
+    """
+
+    __slots__ = ("backlog_paused", "limits", "stall_timer", "transport", "write_paused")
+
+    def __init__(self, transport: asyncio.BaseTransport, limits: Limits) -> None:
+        self.transport: Any = transport  # a Transport, or a test's stand-in with the same methods
+        self.limits = limits
+        self.backlog_paused = False
+        self.write_paused = False
+        self.stall_timer: asyncio.TimerHandle | None = None
+
+    def pause_for_backlog(self) -> None:
+        if not self.backlog_paused:
+            self.backlog_paused = True
+            if not self.write_paused:
+                self.transport.pause_reading()
+
+    def end_backlog(self) -> None:
+        if self.backlog_paused:
+            self.backlog_paused = False
+            if not self.write_paused:
+                self.transport.resume_reading()
+
+    def pause_writing(self, on_stall: Callable[[], None]) -> None:
+        """The client stopped reading: stop reading its commands until it catches up.
+
+        ``on_stall`` runs if it has not caught up after --slow-reader-timeout (a rare
+        event, so one timer handle per stalled connection).
+        """
+        self.write_paused = True
+        if not self.backlog_paused:
+            self.transport.pause_reading()
+        timeout = self.limits.slow_reader_timeout
+        if timeout > 0 and self.stall_timer is None:
+            self.stall_timer = asyncio.get_running_loop().call_later(timeout, on_stall)
+
+    def resume_writing(self, closing: bool) -> bool:
+        """The client caught up; True when reading resumed (buffered commands may run)."""
+        self.cancel_stall()
+        self.write_paused = False
+        if self.backlog_paused or closing:
+            return False
+        self.transport.resume_reading()
+        return True
+
+    def cancel_stall(self) -> None:
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+
+    def output_over_limit(self) -> bool:
+        """After a write: has a paused client left more than --max-output-bytes unread?"""
+        return self.write_paused and self.transport.get_write_buffer_size() > self.limits.max_output_bytes
+
+
+class BrokerConnection(asyncio.Protocol):
+    """One client connection."""
+
+    __slots__ = (
+        "activity",
+        "auth_failures",
+        "authed",
+        "busy",
+        "client",
+        "closing",
+        "decoder",
+        "eof",
+        "flow",
+        "idle_sweeps",
+        "out",
+        "peer",
+        "queue",
+        "refused",
+        "state",
+        "timer",
+        "transport",
+    )
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.queue = state.queue
+        self.timer = state.timer
+        self.transport: Any = None  # asyncio.Transport once connected (or a test's stand-in)
+        self.client: Client
+        self.flow: FlowControl
+        self.out: list[bytes] = []
+        self.busy = False
+        self.eof = False
+        self.closing = False
+        self.refused = False
+        self.authed = state.config.auth_token is None
+        self.auth_failures = 0
+        self.activity = 0  # bumped on input; the idle sweep compares it between sweeps
+        self.idle_sweeps = 0
+        self.peer = "?"
+        self.decoder = state.new_decoder(auth_enabled=not self.authed)
+
+    # -- asyncio callbacks ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        state = self.state
+        self.flow = FlowControl(transport, state.config.limits)
+        self.peer = _format_peer(transport.get_extra_info("peername"))
+        limits = state.config.limits
+        open_now = self.queue.cur_conns
+        if limits.max_connections and open_now >= limits.max_connections:
+            self._refuse("connections", f"{open_now} open")
+            return
+        if open_now >= state.descriptor_cap:
+            # libuv copes with EMFILE silently (accepts and drops); refusing just before it
+            # keeps descriptors for the binlog and listeners, and lets us count it.
+            self._refuse("accept_errors", f"{open_now} open, near the file descriptor limit")
+            return
+        self.transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)
+        self.client = self.queue.connect(self._deliver, self.peer)
+        state.connections.add(self)
+        if state.config.verbose:
+            logs.event(log, logging.INFO, "accept", peer=self.peer)
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused = True
+        self.closing = True
+        self.queue.refusals.refuse(reason, self.peer, detail)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.activity += 1
+        if self.authed and not self.client.waiting:
+            # The fast path: one command decoded straight from its packet.
+            cmd = self.decoder.parse_packet(data)
+            if cmd is not None:
+                self.busy = True
+                try:
+                    reply = self._execute(cmd)
+                finally:
+                    self.busy = False
+                if reply is None:
+                    self._flush()  # what a reserve got through deliver(), if anything
+                elif self.out:
+                    self.out.append(reply)
+                    self._flush()
+                else:
+                    self._write(reply)
+                timer = self.timer
+                if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check, inlined: every command
+                    timer.reschedule()
+                return
+        self.decoder.feed(data)
+        if self.client.waiting:
+            if self.decoder.buffered() > MAX_BUFFER_WHILE_WAITING:
+                self.flow.pause_for_backlog()
+            return
+        self._process()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if not self.closing:
+            self._process()
+            if not self.client.waiting or self.closing:
+                self.close()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        if self.refused:
+            return
+        self.flow.cancel_stall()
+        self.state.connections.discard(self)
+        self.queue.disconnect(self.client)
+        self.client.deliver = _discard  # break the client <-> connection cycle
+        self.timer.reschedule()
+        if self.state.config.verbose:
+            logs.event(log, logging.INFO, "close", peer=self.peer)
+
+    def pause_writing(self) -> None:
+        self.flow.pause_writing(self._stalled)
+
+    def _stalled(self) -> None:
+        flow = self.flow
+        flow.stall_timer = None
+        if flow.write_paused and not self.closing:
+            self.queue.refusals.refuse("slow_reader", self.peer, f"{self.transport.get_write_buffer_size()} "
+                                       f"reply bytes unread for {flow.limits.slow_reader_timeout:g}s")
+            self.closing = True
+            self.transport.abort()
+
+    def resume_writing(self) -> None:
+        if self.flow.resume_writing(self.closing):
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    # -- command loop ---------------------------------------------------------------
+    def _process(self) -> None:
+        if self.closing:
+            return
+        if not self.authed and not self._process_unauthenticated():
+            return
+        queue = self.queue
+        client = self.client
+        decoder = self.decoder
+        out = self.out
+        flow = self.flow
+        self.busy = True
+        handled = 0
+        pending = 0  # bytes of the large replies (jobs, stats) gathered since the last write
+        try:
+            while True:
+                handled += 1
+                # Write out every 64 commands or 64 KiB of replies: output stays bounded (a
+                # client pipelining `peek` of big jobs), back-pressure is noticed promptly.
+                if not handled & 63 or pending > _FLUSH_BYTES:
+                    pending = 0
+                    self._flush()
+                    if flow.write_paused or self.closing:
+                        break
+                if client.waiting:
+                    if not self.eof:
+                        break
+                    queue.hangup(client)  # half-closed while blocked: TIMED_OUT, as beanstalkd
+                cmd = decoder.next_command()
+                if cmd is None:
+                    break
+                reply = self._execute(cmd)
+                if reply is not None:
+                    out.append(reply)
+                    pending += len(reply)
+                elif self.closing:
+                    return  # quit (or a failed auth): nothing more to answer
+        finally:
+            self.busy = False
+        self._flush()
+        if not client.waiting:
+            flow.end_backlog()
+        self.timer.check()
+
+    def _execute(self, cmd: p.Command) -> bytes | None:
+        """Run one decoded command: its reply, or None when there is none yet (a reserve now
+        waiting, a put header) or the connection is closing (quit).
+
+        The one place where commands are counted (stats cmd-*, metrics): puts and the
+        id commands in their own branch (the hot ones), the rest through _COUNTED_AS.
+        """
+        queue = self.queue
+        if type(cmd) is p.Put:  # first: the commonest, and the one counted differently
+            _, pri, delay, ttr, body, header_seen = cmd
+            if not header_seen:  # else its put-header was counted
+                queue.op_counts["put"] += 1
+            return queue.put(self.client, pri, delay, ttr, body, header_seen)
+        if type(cmd) is p.IdArg:  # delete, touch, peek...: unpacked, as cheap as a plain tuple
+            name, job_id = cmd
+            queue.op_counts[name] += 1
+            return _BY_ID[name](queue, self.client, job_id)
+        name = cmd.name
+        counted = _COUNTED_AS.get(name)
+        if counted is not None:
+            queue.op_counts[counted] += 1
+        elif type(cmd) is p.Error:
+            if cmd.counted:
+                queue.op_counts[cmd.counted] += 1
+            return cmd.reply
+        if type(cmd) is p.Bare:
+            if name == "reserve":
+                return queue.reserve(self.client, -1)
+            fn = _BARE.get(name)
+            if fn is not None:
+                return fn(queue, self.client)
+            if name == "quit":
+                self._flush()
+                self.close()
+            return None  # quit, too-big (its JOB_TOO_BIG follows once the body is skipped)
+        if isinstance(cmd, p.TubeArg):
+            return _BY_TUBE[name](queue, self.client, cmd.tube)
+        if isinstance(cmd, p.IntArg):
+            if name == "kick":
+                return queue.kick(self.client, cmd.value)
+            return queue.reserve(self.client, cmd.value)
+        if isinstance(cmd, p.Release):
+            return queue.release(self.client, cmd.job_id, cmd.pri, cmd.delay)
+        if isinstance(cmd, p.Bury):
+            return queue.bury(self.client, cmd.job_id, cmd.pri)
+        if isinstance(cmd, p.PauseTube):
+            return queue.pause_tube(self.client, cmd.tube, cmd.delay)
+        if isinstance(cmd, p.PutLine):  # put-header: beanstalkd assigns the id now
+            queue.put_header(self.client)
+            return None
+        if isinstance(cmd, p.Auth):
+            return self._check_token(cmd.token)
+        return None
+
+    # -- output -----------------------------------------------------------------------
+    def _flush(self) -> None:
+        out = self.out
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        if self.closing:
+            return
+        state = self.state
+        if state.group_commit:
+            state.hold_for_commit(self, data)
+            return
+        sync = state.sync_point
+        if sync is not None:
+            sync()
+        self.send(data)
+
+    def send(self, data: bytes) -> None:
+        """Write replies whose changes are already durable as the binlog's -f asks."""
+        if self.closing:
+            return
+        self.transport.write(data)
+        flow = self.flow
+        if flow.write_paused and flow.output_over_limit():
+            self.queue.refusals.refuse("slow_reader", self.peer,
+                                       f"{self.transport.get_write_buffer_size()} reply bytes unread")
+            self.closing = True
+            self.transport.abort()  # connection_lost releases its reservations
+
+    def close(self) -> None:
+        """Close after the replies already produced (held ones included) have been written."""
+        if not self.closing:
+            self.state.commit_group()  # this connection's last replies may be held
+            self.closing = True
+            self.transport.close()
+
+    # -- authentication ---------------------------------------------------------------
+    def _check_token(self, offered: bytes) -> bytes:
+        token = self.state.config.auth_token
+        if token is not None and security.token_matches(token, offered):
+            self.authed = True
+            return security.AUTH_OK
+        self.auth_failures += 1
+        self.queue.refusals.refuse("auth", self.peer, f"wrong token ({self.auth_failures})")
+        if self.auth_failures >= security.MAX_AUTH_FAILURES:
+            self.out.append(security.UNAUTHORIZED)
+            self._flush()
+            self.close()
+        return security.UNAUTHORIZED
+
+    def _process_unauthenticated(self) -> bool:
+        """Before `auth`: answer UNAUTHORIZED to everything. True once authenticated."""
+        decoder = self.decoder
+        out = self.out
+        while not self.authed and not self.closing:
+            cmd = decoder.next_command()
+            if cmd is None:
+                break
+            name = cmd.name
+            if isinstance(cmd, p.Auth):
+                reply = self._check_token(cmd.token)
+                if not self.closing:
+                    out.append(reply)
+            elif name == "quit":
+                self._flush()
+                self.close()
+            elif name not in ("put-header", "too-big"):
+                out.append(security.UNAUTHORIZED)
+        self._flush()
+        return self.authed and not self.closing
+
+    # -- replies from elsewhere ---------------------------------------------------------
+    def _deliver(self, reply: bytes) -> None:
+        """A reply produced outside this connection's command loop (woken reserve, timeout)."""
+        self.out.append(reply)
+        if not self.busy:
+            self._flush()
+            if self.decoder.buffered() or self.eof:
+                asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        if not self.closing and not self.client.waiting and not self.flow.write_paused:
+            self._process()
+            if self.eof and not self.client.waiting:
+                self.close()
+
+
+def _discard(_reply: bytes) -> None:
+    """deliver() of a closed connection."""
+
+
+def _format_peer(peer: object) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) if peer else "unix"

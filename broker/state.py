@@ -1,0 +1,151 @@
+"""What the server shares with its connections: configuration, the loop timer, group commit.
+
+uvicorn gives each protocol instance a small ``ServerState``; we do the same, so that a
+:class:`broker.connection.BrokerConnection` never reaches into the server object or the
+queue's timer heap, and the server never needs a connection's internals.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from broker import protocol as p
+from broker import security
+from broker.limits import OUTPUT_HIGH_WATER, Limits
+from broker.queue import Queue
+from broker.timers import NEVER
+
+if TYPE_CHECKING:
+    from broker.connection import BrokerConnection
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1"
+    port: int = 11300
+    max_job_size: int = p.DEFAULT_MAX_JOB_SIZE
+    verbose: int = 0
+    limits: Limits = field(default_factory=Limits)
+    tls: security.TlsConfig | None = None
+    auth_token: bytes | None = None
+    metrics: str | None = None  # "addr:port" of the HTTP listener (served by broker/http.py, not here)
+    extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
+    binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
+
+
+class LoopTimer:
+    """The one event-loop timer, pointed at the queue's earliest deadline.
+
+    Every timed thing (delays, TTRs, reserve timeouts, unpauses) is an entry of the queue's
+    one heap; the loop only ever holds a single timer handle for its earliest entry.
+    """
+
+    __slots__ = ("_handle", "clock", "heap", "queue", "when")
+
+    def __init__(self, queue: Queue, clock: Callable[[], int]) -> None:
+        self.queue = queue
+        self.heap = queue.timers
+        self.clock = clock
+        self.when = NEVER  # what the loop timer is set for (NEVER: not set)
+        self._handle: asyncio.TimerHandle | None = None
+
+    def check(self) -> None:
+        """After commands ran: reschedule only when they pushed something earlier than the timer."""
+        if self.heap.earliest_pushed < self.when:
+            self.reschedule()
+
+    def reschedule(self) -> None:
+        """Point the loop timer at the earliest deadline, if something earlier than the current
+        timer was pushed. Stale entries at the top of the heap are left for the timer to skip."""
+        timers = self.queue.timers
+        if timers.earliest_pushed >= self.when:
+            timers.earliest_pushed = NEVER
+            return
+        timers.earliest_pushed = NEVER
+        when = self.queue.next_deadline()
+        if when is None or when >= self.when:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        delay = max(0.0, (when - self.clock()) / 1e9)
+        self.when = when
+        self._handle = asyncio.get_running_loop().call_later(delay + 0.0005, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        self.when = NEVER
+        self.queue.tick()
+        self.queue.timers.earliest_pushed = 0  # whatever is left is due later: look again
+        self.reschedule()
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class ServerState:
+    """Given to every connection: the queue, the config, the timer, and the reply gate.
+
+    The reply gate: a reply that acknowledges a change leaves only after the change is as
+    durable as ``-f`` asks (``sync_point``). With ``-f 0`` (``group_commit``) the replies of
+    one event-loop iteration wait for one shared fsync (:meth:`hold_for_commit`).
+    """
+
+    __slots__ = (
+        "_held",
+        "_held_bytes",
+        "config",
+        "connections",
+        "descriptor_cap",
+        "group_commit",
+        "line_cache",
+        "queue",
+        "sync_point",
+        "timer",
+    )
+
+    def __init__(self, config: ServerConfig, queue: Queue, timer: LoopTimer,
+                 sync_point: Callable[[], None] | None, group_commit: bool, descriptor_cap: int) -> None:
+        self.config = config
+        self.queue = queue
+        self.timer = timer
+        self.connections: set[BrokerConnection] = set()
+        self.line_cache: p.LineCache = {}
+        self.descriptor_cap = descriptor_cap  # connections beyond this are refused (EMFILE ahead)
+        self.sync_point = sync_point  # None: nothing to do before replies leave
+        self.group_commit = group_commit
+        self._held: list[tuple[BrokerConnection, bytes]] = []
+        self._held_bytes = 0
+
+    def new_decoder(self, auth_enabled: bool) -> p.Decoder:
+        return p.Decoder(self.config.max_job_size, auth_enabled=auth_enabled, line_cache=self.line_cache)
+
+    def hold_for_commit(self, conn: BrokerConnection, data: bytes) -> None:
+        """Group commit: keep a reply until the end of this event-loop iteration.
+
+        Every connection served in one iteration shares one fsync, where beanstalkd's -f 0
+        pays one per command. Replies still leave only after the fsync (nothing is
+        acknowledged before it is durable), and in order, since every reply of every
+        connection goes through here while group commit is on.
+        """
+        if not self._held:
+            asyncio.get_running_loop().call_soon(self.commit_group)
+        self._held.append((conn, data))
+        self._held_bytes += len(data)
+        if self._held_bytes > OUTPUT_HIGH_WATER:
+            self.commit_group()  # big replies (peek floods): write now, so back-pressure can act
+
+    def commit_group(self) -> None:
+        """Sync once, then send every held reply (a closing connection calls this for its last ones)."""
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        self._held_bytes = 0
+        if self.sync_point is not None:
+            self.sync_point()
+        for conn, data in held:
+            conn.send(data)

@@ -1,0 +1,129 @@
+"""The dashboard's application without a browser: in-process aiohttp server, real beanstalk servers.
+
+Runs against our broker and beanstalkd 1.12 (`server` fixture): the JSON feed, the
+read-only switch, clear messages for bad input, and how job bodies are shown.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from aiohttp import ClientSession, CookieJar
+from aiohttp.test_utils import TestServer
+from click.testing import CliRunner
+
+from spark_beanstalk.cli import main
+from spark_beanstalk.client import Connection
+from spark_beanstalk.dashboard.actions import body_view
+from spark_beanstalk.dashboard.app import create_app
+from spark_beanstalk.dashboard.command import tcp_endpoint
+from spark_beanstalk.dashboard.guard import Guard
+
+
+async def _with_app(server: Any, guard: Guard, walk: Any) -> Any:
+    app = create_app([tcp_endpoint(server.host, server.port, None)], guard)
+    async with TestServer(app, host="127.0.0.1") as ts, ClientSession(str(ts.make_url("")), cookie_jar=CookieJar(unsafe=True)) as http:
+        return await walk(http)
+
+
+def _csrf(html: str) -> str:
+    match = re.search(r'name="csrf-token" content="([0-9a-f]+)"', html)
+    assert match, "no CSRF token on the page"
+    return match.group(1)
+
+
+def test_feed_read_only_and_bad_input(server, conn_factory):
+    conn = conn_factory(server)
+    conn.use("feed")
+    conn.put(b"x")
+
+    async def walk(http: ClientSession) -> None:
+        for _ in range(100):
+            async with http.get("/api/overview?history=1") as resp:
+                feed = await resp.json()
+            if any(t["name"] == "feed" for t in feed["tubes"]):
+                break
+            await asyncio.sleep(0.1)
+        row = next(t for t in feed["tubes"] if t["name"] == "feed")
+        assert row["ready"] == 1 and feed["servers"][0]["up"] is True
+        assert "feed" in feed["history"]["0"]
+        async with http.get("/tube?s=0&t=feed") as resp:
+            page = await resp.text()
+            assert resp.status == 200 and "delete job" not in page and "read-only" in page
+        form = {"csrf": _csrf(page), "s": "0", "t": "feed", "action": "delete-job", "job": "1"}
+        async with http.post("/action", data=form, allow_redirects=False) as resp:
+            assert resp.status == 403 and "refused: this dashboard is read-only" in await resp.text()
+        async with http.get("/tube?s=0&t=bad%20name") as resp:
+            assert resp.status in (404, 502) and "Traceback" not in await resp.text()
+        async with http.get("/nowhere") as resp:
+            assert resp.status == 404 and "404 Not Found" in await resp.text()
+
+    asyncio.run(_with_app(server, Guard(read_only=True), walk))
+    assert conn.stats_tube("feed")["current-jobs-ready"] == 1
+
+
+def test_actions_report_bad_input_as_a_sentence(server):
+    async def walk(http: ClientSession) -> list[str]:
+        async with http.get("/") as resp:
+            csrf = _csrf(await resp.text())
+        said = []
+        for extra in ({"action": "kick-job", "job": "999999"}, {"action": "delete-job", "job": "abc"},
+                      {"action": "clear", "state": "all"}, {"action": "move", "state": "all", "dst": "x y"},
+                      {"action": "pause", "seconds": "5", "t": "never-used"}):
+            form = {"csrf": csrf, "s": "0", "t": "default"} | extra
+            async with http.post("/action", data=form) as resp:
+                text = await resp.text()
+            said.append(re.search(r'id="message" class="error">([^<]*)<', text).group(1))
+        return said
+
+    said = asyncio.run(_with_app(server, Guard(), walk))
+    assert said == ["job 999999 not found, or not buried or delayed", "job must be a whole number, not &#39;abc&#39;",
+                    "clear deletes jobs: tick the confirmation box first", "bad tube name &#39;x y&#39;",
+                    "tube &#39;never-used&#39; not found"]
+
+
+def test_body_views():
+    assert body_view(b'{"a": [1, 2]}').kind == "json"
+    assert json.loads(body_view(b'{"a": [1, 2]}').text) == {"a": [1, 2]}
+    assert body_view(b"plain <b>").kind == "text"
+    hexed = body_view(b"\xff\x00abc")
+    assert hexed.kind == "hex" and "ff 00 61 62 63" in hexed.text
+    big = body_view(b"y" * 10_000)
+    assert big.truncated and len(big.text) == 4096 and big.size == 10_000
+
+
+def test_standalone_refuses_open_listener_without_token():
+    result = CliRunner().invoke(main, ["dashboard", "--listen", "0.0.0.0:1"])
+    assert result.exit_code == 2 and "--token-file" in result.output and "--read-only" in result.output
+
+
+def test_two_servers_and_a_cross_site_post(server_factory):
+    ours, stock = server_factory("ours"), server_factory("beanstalkd")
+    app = create_app([tcp_endpoint(p.host, p.port, None) for p in (ours, stock)], Guard())
+
+    async def walk() -> None:
+        async with TestServer(app, host="127.0.0.1") as ts, \
+                ClientSession(str(ts.make_url("")), cookie_jar=CookieJar(unsafe=True)) as http:
+            for _ in range(100):
+                async with http.get("/api/overview") as resp:
+                    servers = (await resp.json())["servers"]
+                if all(s["up"] for s in servers):
+                    break
+                await asyncio.sleep(0.1)
+            assert [s["name"] for s in servers] == [ours.address, stock.address]
+            assert all(s["up"] and s["version"] is not None for s in servers)
+            async with http.get("/") as resp:
+                csrf = _csrf(await resp.text())
+            form = {"csrf": csrf, "s": "1", "t": "default", "action": "put", "body": "x"}
+            async with http.post("/action", data=form, headers={"Origin": "http://evil.example"}) as resp:
+                assert resp.status == 403 and "another site" in await resp.text()
+            async with http.post("/action", data=form, allow_redirects=False) as resp:
+                assert resp.status == 303  # the same form from our own page goes through
+
+    asyncio.run(walk())
+    with Connection(stock.host, stock.port) as conn:
+        assert conn.stats_tube("default")["current-jobs-ready"] == 1
+    with Connection(ours.host, ours.port) as conn:
+        assert conn.stats_tube("default")["current-jobs-ready"] == 0

@@ -1,0 +1,200 @@
+"""The connection protocol in-process, over a fake transport (as uvicorn tests its protocols).
+
+No sockets: bytes go into ``BrokerConnection.data_received`` and come out of a transport
+stand-in that records writes, pauses and closes. Beside the real-process tests, these
+reach what a socket cannot time exactly: a packet split at every byte, pause_writing /
+resume_writing at a chosen moment, a connection lost while it holds jobs.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from broker.connection import MAX_BUFFER_WHILE_WAITING, BrokerConnection
+from broker.limits import Limits
+from broker.server import BrokerServer, ServerConfig
+
+
+class FakeTransport:
+    """What BrokerConnection uses of an asyncio transport, recorded."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.reading = True
+        self.closed = False
+        self.aborted = False
+        self.buffered = 0  # what get_write_buffer_size reports (the client's unread replies)
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "write after close"
+        self.out += data
+
+    def take(self) -> bytes:
+        data = bytes(self.out)
+        self.out.clear()
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def make_server(limits: Limits | None = None) -> BrokerServer:
+    return BrokerServer(ServerConfig(limits=limits or Limits()))
+
+
+def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
+    conn = BrokerConnection(server.state)
+    transport = FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn, transport
+
+
+async def settle() -> None:
+    """Let call_soon callbacks (resumed processing) run."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_put_reserve_delete_bytes_in_bytes_out() -> None:
+    async def body() -> None:
+        server = make_server()
+        conn, t = connect(server)
+        conn.data_received(b"put 5 0 60 5\r\nhello\r\n")
+        assert t.take() == b"INSERTED 1\r\n"
+        conn.data_received(b"reserve\r\n")
+        assert t.take() == b"RESERVED 1 5\r\nhello\r\n"
+        conn.data_received(b"delete 1\r\ndelete 1\r\n")
+        assert t.take() == b"DELETED\r\nNOT_FOUND\r\n"
+        conn.data_received(b"stats\r\n")
+        stats = t.take()
+        assert b"cmd-put: 1\n" in stats and b"cmd-reserve: 1\n" in stats and b"cmd-delete: 2\n" in stats
+    run(body)
+
+
+SCRIPT = (b"use jobs\r\nwatch jobs\r\nput 1 0 60 3\r\nabc\r\nput 0 0 60 0\r\n\r\nreserve\r\n"
+          b"release 2 9 0\r\nreserve-with-timeout 0\r\nbury 2 3\r\nput 0 0 60 2\r\nxyz\r\n"
+          b"stats-job 1\r\nkick 5\r\npeek-ready\r\ndelete 1\r\nlist-tube-used\r\nbogus\r\nquit\r\n")
+
+
+def _transcript(chunks: list[bytes]) -> tuple[bytes, bool]:
+    out: list[bytes] = []
+
+    async def body() -> None:
+        conn, t = connect(make_server())
+        for chunk in chunks:
+            conn.data_received(chunk)
+            await settle()
+        out.append(t.take())
+        out.append(b"closed" if t.closed else b"open")
+
+    run(body)
+    return out[0], out[1] == b"closed"
+
+
+def test_pipelined_packets_split_at_every_byte_answer_the_same() -> None:
+    whole, closed = _transcript([SCRIPT])
+    assert whole.startswith(b"USING jobs\r\nWATCHING 2\r\nINSERTED 1\r\nINSERTED 2\r\nRESERVED 2 0\r\n\r\n")
+    assert b"EXPECTED_CRLF\r\n" in whole and b"UNKNOWN_COMMAND\r\n" in whole and closed
+    for cut in range(1, len(SCRIPT)):
+        assert _transcript([SCRIPT[:cut], SCRIPT[cut:]]) == (whole, True), cut
+    assert _transcript([SCRIPT[i:i + 1] for i in range(len(SCRIPT))]) == (whole, True)
+
+
+def test_a_put_split_across_packets_is_counted_once() -> None:
+    async def body() -> None:
+        conn, t = connect(make_server())
+        conn.data_received(b"put 0 0 60 5\r\nhel")
+        conn.data_received(b"lo\r\nstats\r\n")
+        out = t.take()
+        assert out.startswith(b"INSERTED 1\r\n") and b"cmd-put: 1\n" in out
+    run(body)
+
+
+def test_pause_writing_stops_processing_and_resume_writing_catches_up() -> None:
+    async def body() -> None:
+        conn, t = connect(make_server())
+        conn.pause_writing()
+        assert not t.reading
+        conn.data_received(b"list-tube-used\r\n" * 200)
+        before = t.take().count(b"USING default\r\n")
+        assert 0 < before < 200  # stopped at the first periodic flush while the client is not reading
+        conn.resume_writing()
+        assert t.reading
+        await settle()
+        assert before + t.take().count(b"USING default\r\n") == 200
+    run(body)
+
+
+def test_a_paused_reader_past_the_output_limit_is_closed_and_counted() -> None:
+    async def body() -> None:
+        server = make_server(Limits(max_output_bytes=1 << 16))
+        conn, t = connect(server)
+        conn.data_received(b"put 0 0 60 1\r\nx\r\n")
+        conn.pause_writing()
+        t.buffered = 1 << 17
+        conn.data_received(b"peek 1\r\n")
+        assert t.aborted and server.queue.refusals.counts["slow_reader"] == 1
+        conn.connection_lost(None)
+        assert server.queue.cur_conns == 0
+    run(body)
+
+
+def test_connection_loss_releases_reserved_jobs() -> None:
+    async def body() -> None:
+        server = make_server()
+        worker, wt = connect(server)
+        other, ot = connect(server)
+        other.data_received(b"put 0 0 60 3\r\none\r\n")
+        worker.data_received(b"reserve\r\n")
+        assert wt.take() == b"RESERVED 1 3\r\none\r\n"
+        other.data_received(b"reserve-with-timeout 0\r\n")
+        assert ot.take().endswith(b"TIMED_OUT\r\n")
+        worker.connection_lost(ConnectionResetError())
+        other.data_received(b"reserve-with-timeout 0\r\nstats-job 1\r\n")
+        out = ot.take()
+        assert out.startswith(b"RESERVED 1 3\r\none\r\n") and b"reserves: 2\n" in out
+        assert server.queue.cur_conns == 1
+    run(body)
+
+
+def test_input_behind_a_blocked_reserve_pauses_reading_until_served() -> None:
+    async def body() -> None:
+        server = make_server()
+        waiter, wt = connect(server)
+        producer, pt = connect(server)
+        waiter.data_received(b"reserve\r\n")
+        assert wt.take() == b""
+        waiter.data_received(b"list-tube-used\r\n" * (MAX_BUFFER_WHILE_WAITING // 16 + 2))
+        assert not wt.reading  # over a MiB queued behind the reserve
+        producer.data_received(b"put 0 0 60 2\r\nhi\r\n")
+        assert pt.take() == b"INSERTED 1\r\n"
+        await settle()
+        out = wt.take()
+        assert out.startswith(b"RESERVED 1 2\r\nhi\r\nUSING default\r\n") and wt.reading
+    run(body)

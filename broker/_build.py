@@ -28,7 +28,8 @@ PURE_ENV = "SPARK_BEANSTALK_PURE"
 NO_COMPILE_ENV = "SPARK_BEANSTALK_NO_COMPILE"
 GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # The modules setup.py compiles (the per-command path); everything else stays interpreted.
-HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers")
+HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.model", "broker.queue",
+                               "broker.state", "broker.connection")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 

@@ -17,6 +17,8 @@ import heapq
 from collections.abc import Callable
 from typing import cast
 
+from mypy_extensions import mypyc_attr
+
 from broker import protocol as p
 from broker.limits import Limits, Refusals
 from broker.model import (
@@ -55,6 +57,7 @@ class StorageFull(Exception):
     """Raised by a listener that cannot make a put durable (disk full): answer OUT_OF_MEMORY."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # broker.binlog.Binlog (interpreted) subclasses it
 class QueueListener:
     """Receives the state changes that a durable log must record. Default: do nothing."""
 

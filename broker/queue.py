@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -214,6 +214,9 @@ class Queue:
 
     # -- job movement --------------------------------------------------------------
     def _enqueue(self, job: Job, delay: int, now: int) -> None:
+        # Typed Any: compiled (mypyc), a typed tuple would be unboxed and boxed again per use, and
+        # `job.entry is entry` (one object in the heap and on the job) marks the live entry.
+        entry: Any
         job.reserver = None
         tube = job.tube
         if delay:

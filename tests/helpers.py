@@ -193,8 +193,9 @@ class ReplicaSet:
     @staticmethod
     def caught_up(leader: ServerProcess, member: ServerProcess) -> bool:
         a, b = member_stats(leader), member_stats(member)
+        position = ("replication-epoch", "replication-seq")
         return bool(a and b and b["replication-role"] == "replica" and b["replication-lag-records"] == 0
-                    and (a["replication-epoch"], a["replication-seq"]) == (b["replication-epoch"], b["replication-seq"]))
+                    and [a[k] for k in position] == [b[k] for k in position])
 
     def kill_leader(self) -> ServerProcess:
         """SIGKILL the leader; returns it (restart with `.start()` after clearing `port_chosen`)."""

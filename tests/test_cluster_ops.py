@@ -26,7 +26,8 @@ from tests.helpers import ReplicaSet, wait_until
 def test_cluster_spec_is_one_logical_broker():
     (cluster, plain) = parse_brokers("cluster:a:1,b,tls://c:3;d:4")
     assert cluster.is_cluster and not plain.is_cluster
-    assert cluster.name == "cluster:a:1,b:11300,c:3" and [m.address for m in cluster.members] == ["a:1", "b:11300", "c:3"]
+    assert cluster.name == "cluster:a:1,b:11300,c:3"
+    assert [m.address for m in cluster.members] == ["a:1", "b:11300", "c:3"]
     assert cluster.members[2].tls and plain.name == "d:4"
     assert [h.address for h in parse_host_specs("cluster:a:1,b:2")] == ["a:1", "b:2"]   # every server
     opts = SourceOptions.parse({"hosts": "cluster:a:1,b:2"})

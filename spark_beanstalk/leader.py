@@ -44,6 +44,13 @@ def open_leader(broker: BrokerAddress, connect: Callable[[HostSpec], Connection]
     every member's state when none leads (mid-failover, all down): callers treat that like
     a broker that is down and retry with their backoff.
     """
+    if not broker.is_cluster:         # a plain host: its own connect error says it best
+        conn = connect(broker.members[0])
+        try:
+            return Leader(conn, broker.members[0], _stats(conn))
+        except ConnectionLost:
+            conn.close()
+            raise
     members = list(broker.members)
     if hint in members:
         members.remove(hint)
@@ -62,7 +69,7 @@ def open_leader(broker: BrokerAddress, connect: Callable[[HostSpec], Connection]
             seen.append(f"{member.address}: {exc}")
             continue
         role = stats.get(ROLE_KEY)
-        if not broker.is_cluster or role is None or role == LEADER_ROLE:
+        if role is None or role == LEADER_ROLE:
             return Leader(conn, member, stats)
         conn.close()
         seen.append(f"{member.address}: {role}")

@@ -1,7 +1,13 @@
-"""Host specs: ``host:port``, ``tls://host:port``, comma lists, the default port.
+"""Host specs: ``host:port``, ``tls://host:port``, comma lists, the default port, and
+replica sets ``cluster:a:11300,b:11300,c:11300``.
 
 The connector's ``hosts`` option, the writers and the operator CLI's ``--host`` all read
 the same spec; this is the one parser, so a spec means the same thing everywhere.
+
+A ``cluster:`` group is ONE logical broker whose members replicate each other (see
+docs/replication.md): clients follow whichever member leads. Groups are separated by
+``;`` (``cluster:a,b,c;cluster:d,e,f`` is two logical brokers); a group without the
+prefix is a comma list of independent brokers, as before.
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import NamedTuple
 
 DEFAULT_PORT = 11300
 TLS_SCHEME = "tls://"
+CLUSTER_SCHEME = "cluster:"
 
 
 class HostSpec(NamedTuple):
@@ -29,12 +36,69 @@ def _strip_scheme(entry: str) -> tuple[str, bool]:
     return entry, False
 
 
+class BrokerAddress(NamedTuple):
+    """One logical broker: a single server, or a replica set followed to its leader.
+
+    ``name`` is stable across failovers (batches, offsets and progress key on it);
+    ``members`` are the servers to try.
+    """
+
+    name: str
+    members: tuple[HostSpec, ...]
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.name.startswith(CLUSTER_SCHEME)
+
+
+def _groups(spec: str) -> list[tuple[bool, str]]:
+    """';'-separated groups of a spec, each as (is a cluster, its comma list)."""
+    out: list[tuple[bool, str]] = []
+    for raw in spec.split(";"):
+        group = raw.strip()
+        if group.lower().startswith(CLUSTER_SCHEME):
+            out.append((True, group[len(CLUSTER_SCHEME):]))
+        elif group:
+            out.append((False, group))
+    return out
+
+
+def parse_brokers(spec: str, default_port: int = DEFAULT_PORT) -> list[BrokerAddress]:
+    """'cluster:a:1,b:2;c:3' -> [BrokerAddress('cluster:a:1,b:2', (a, b)), BrokerAddress('c:3', (c,))].
+
+    Raises ValueError for a bad entry, an empty cluster or a member named twice.
+    """
+    brokers: list[BrokerAddress] = []
+    for is_cluster, group in _groups(spec):
+        members = _parse_entries(group, default_port)
+        if not is_cluster:
+            brokers.extend(BrokerAddress(m.address, (m,)) for m in members)
+            continue
+        if not members:
+            raise ValueError(f"cluster group {group!r} names no member")
+        names = [m.address for m in members]
+        if len(set(names)) != len(names):
+            raise ValueError(f"cluster group {group!r} names a member twice")
+        brokers.append(BrokerAddress(CLUSTER_SCHEME + ",".join(names), tuple(members)))
+    if not brokers:
+        raise ValueError(f"no hosts in {spec!r}")
+    return brokers
+
+
 def parse_host_specs(spec: str, default_port: int = DEFAULT_PORT) -> list[HostSpec]:
     """'h1:p1,tls://h2' -> [HostSpec('h1', p1, False), HostSpec('h2', 11300, True)].
 
-    Raises ValueError naming the bad entry: an empty host, a port that is not a number or
-    is out of 1-65535, or a spec with no host at all.
+    Every server the spec names (a cluster's members included). Raises ValueError naming
+    the bad entry: an empty host, a port that is not a number or is out of 1-65535, or a
+    spec with no host at all.
     """
+    hosts = [h for _, group in _groups(spec) for h in _parse_entries(group, default_port)]
+    if not hosts:
+        raise ValueError(f"no hosts in {spec!r}")
+    return hosts
+
+
+def _parse_entries(spec: str, default_port: int) -> list[HostSpec]:
     hosts: list[HostSpec] = []
     for raw in spec.split(","):
         entry, tls = _strip_scheme(raw.strip())
@@ -53,8 +117,6 @@ def parse_host_specs(spec: str, default_port: int = DEFAULT_PORT) -> list[HostSp
         if not 0 < port < 65536:
             raise ValueError(f"bad host entry {entry!r}: port {port} out of range 1-65535")
         hosts.append(HostSpec(host, port, tls))
-    if not hosts:
-        raise ValueError(f"no hosts in {spec!r}")
     return hosts
 
 
@@ -73,4 +135,4 @@ def parse_one_host(spec: str, default_port: int = DEFAULT_PORT) -> HostSpec:
 
 def uses_tls(spec: str) -> bool:
     """Whether any entry of the spec asks for TLS with the ``tls://`` scheme."""
-    return any(_strip_scheme(raw.strip())[1] for raw in spec.split(","))
+    return any(_strip_scheme(raw.strip())[1] for _, group in _groups(spec) for raw in group.split(","))

@@ -14,8 +14,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from spark_beanstalk.batch import Batch
-from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
+from spark_beanstalk.client import Connection, ConnectionLost
+from spark_beanstalk.leader import open_leader
 from spark_beanstalk.options import SourceOptions
 
 log = logging.getLogger("spark_beanstalk.source")
@@ -81,10 +83,12 @@ class BrokerLink:
     the touch thread and the background worker).
     """
 
-    def __init__(self, host: str, port: int, opts: SourceOptions) -> None:
-        self.host = host
+    def __init__(self, host: str, port: int, opts: SourceOptions, broker: BrokerAddress | None = None) -> None:
+        self.host = host                           # the server connected to (a cluster's leader)
         self.port = port
-        self.address = f"{host}:{port}"
+        self.broker = broker or BrokerAddress(f"{host}:{port}", (HostSpec(host, port, False),))
+        self.address = self.broker.name            # stable across failovers: batches key on it
+        self.member = self.broker.members[0]       # the member connected to (a cluster's last leader)
         self.opts = opts
         self.lock = threading.RLock()
         self.sid = ""
@@ -103,9 +107,17 @@ class BrokerLink:
         self.waiting_since: dict[int, float] = {}  # orphans still reserved elsewhere -> first seen
 
     # --- connecting ------------------------------------------------------------------------
-    def _connect(self) -> Connection:
-        return Connection(self.host, self.port, timeout=self.opts.socket_timeout, connect_timeout=10.0,
+    @classmethod
+    def of(cls, broker: BrokerAddress, opts: SourceOptions) -> BrokerLink:
+        first = broker.members[0]
+        return cls(first.host, first.port, opts, broker)
+
+    def _connect_to(self, member: HostSpec) -> Connection:
+        return Connection(member.host, member.port, timeout=self.opts.socket_timeout, connect_timeout=10.0,
                           **self.opts.security.connect_kwargs())
+
+    def _connect(self) -> Connection:
+        return self._connect_to(self.member)
 
     def connected(self) -> bool:
         return self.control is not None
@@ -116,12 +128,15 @@ class BrokerLink:
         if now < self.next_try:
             return False
         try:
-            self.control = self._connect()
-            try:
-                stats = self.control.stats()
-                self.sid = str(stats.get("id", ""))
-            except BeanstalkError:
-                self.sid = ""
+            # a cluster: follow its leader (found again on every reconnect); re-acquire then
+            # finds the jobs held on the old leader ready on the new one, same ids and bodies
+            leader = open_leader(self.broker, self._connect_to, self.member)
+            self.control = leader.conn
+            if leader.member != self.member and self.was_up:
+                log.warning("beanstalk source: %s now leads %s", leader.member.address, self.address)
+            self.member = leader.member
+            self.host, self.port = leader.member.host, leader.member.port
+            self.sid = str(leader.stats.get("id", ""))
             for _ in range(self.opts.num_partitions):
                 self.conns.append(self.new_res_conn())
         except ConnectionLost as exc:

@@ -55,7 +55,7 @@ class InFlight:
 
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
-        self.brokers = [BrokerLink(host, port, opts) for host, port in opts.hosts]
+        self.brokers = [BrokerLink.of(broker, opts) for broker in opts.links()]
         self.batches: dict[int, Batch] = {}      # planned, not committed yet
         self.committed: list[Batch] = []         # committed, deletes not finished
         self.pool = Batch(-1)                     # read-ahead: reserved, in no batch yet

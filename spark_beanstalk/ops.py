@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from beanstalk_rules.hosts import parse_host_specs
+from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers
 from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
+from spark_beanstalk.leader import open_leader
+from spark_beanstalk.ops_cluster import member_rows, members_table
 
 if TYPE_CHECKING:  # rich is imported lazily (start-up time of the CLI)
     from rich.console import Console, Group
@@ -107,44 +109,66 @@ def _read_token(path: str) -> str:
         raise OpsError(f"--token-file: {exc}", exit_code=2) from None
 
 
-@contextlib.contextmanager
-def connect(target: Target | str, timeout: float = 10.0) -> Iterator[Connection]:
-    """A connection to the target whose failures become one-line operator errors."""
-    if isinstance(target, str):
-        target = Target(host=target)
+def _member_connector(target: Target, timeout: float) -> Callable[[HostSpec], Connection]:
+    """Opens a connection to one server of the target with its TLS and token settings."""
+    token = _read_token(target.token_file) if target.token_file else None
+
+    def open_member(member: HostSpec) -> Connection:
+        return Connection(member.host, member.port, timeout=timeout, connect_timeout=min(timeout, 5.0),
+                          tls=target.tls or member.tls, ca_file=target.ca_file, certfile=target.cert_file,
+                          keyfile=target.key_file, auth_token=token)
+
+    return open_member
+
+
+def target_broker(target: Target) -> BrokerAddress:
+    """The one logical broker --host names (a plain host, or a ``cluster:`` replica set)."""
     try:
-        hosts = parse_host_specs(target.host)
+        brokers = parse_brokers(target.host)
     except ValueError as exc:
         raise OpsError(f"bad --host {target.host!r}: {exc}", exit_code=2) from None
-    if len(hosts) != 1:
-        raise OpsError(f"--host takes one host:port, got {target.host!r}", exit_code=2)
-    address, port, spec_tls = hosts[0]
-    tls = target.tls or spec_tls
-    token = _read_token(target.token_file) if target.token_file else None
+    if len(brokers) != 1:
+        raise OpsError(f"--host takes one host:port (or one cluster:...), got {target.host!r}", exit_code=2)
+    return brokers[0]
+
+
+def _open(target: Target, timeout: float) -> Connection:
+    """Connect (a cluster: to its leader); failures become one-line operator errors."""
+    broker = target_broker(target)
+    address = broker.members[0].address
     try:
-        conn = Connection(address, port, timeout=timeout, connect_timeout=min(timeout, 5.0), tls=tls,
-                          ca_file=target.ca_file, certfile=target.cert_file, keyfile=target.key_file,
-                          auth_token=token)
+        return open_leader(broker, _member_connector(target, timeout)).conn
     except ConnectionLost as exc:
         if exc.status == "TLS_FAILED":
-            raise Unreachable(f"TLS handshake with {address}:{port} failed: {_reason(exc)} "
+            raise Unreachable(f"TLS handshake with {address} failed: {_reason(exc)} "
                               "(check --ca-file, --cert-file/--key-file, or drop --tls)") from None
+        if exc.status == "NO_LEADER":
+            raise Unreachable(f"{exc} (mid-failover? try again)") from None
         raise Unreachable(
-            f"cannot connect to a beanstalkd server at {address}:{port}: {_reason(exc)} "
+            f"cannot connect to a beanstalkd server at {address}: {_reason(exc)} "
             f"(is it running? set --host or ${HOST_ENV})"
         ) from None
     except BeanstalkError as exc:  # the auth extension refused the token
-        raise Unreachable(f"{address}:{port} refused the token from {target.token_file} ({exc.status})") from None
+        raise Unreachable(f"{address} refused the token from {target.token_file} ({exc.status})") from None
+
+
+@contextlib.contextmanager
+def connect(target: Target | str, timeout: float = 10.0) -> Iterator[Connection]:
+    """A connection to the target (a cluster's leader) whose failures become one-line operator errors."""
+    if isinstance(target, str):
+        target = Target(host=target)
+    conn = _open(target, timeout)
+    address = conn.address
     try:
         # A broker with token auth answers UNAUTHORIZED to everything: say so once, clearly.
-        if token is None and conn.call("list-tube-used").status == b"UNAUTHORIZED":
-            raise Unreachable(f"{address}:{port} requires authentication: pass --token-file FILE "
+        if target.token_file is None and conn.call("list-tube-used").status == b"UNAUTHORIZED":
+            raise Unreachable(f"{address} requires authentication: pass --token-file FILE "
                               f"(or set ${TOKEN_ENV})")
         yield conn
     except ConnectionLost as exc:
-        raise Unreachable(f"lost the connection to {address}:{port}: {exc}") from None
+        raise Unreachable(f"lost the connection to {address}: {exc}") from None
     except BeanstalkError as exc:
-        raise OpsError(f"{address}:{port} answered {exc.status} to {exc.command!r}") from None
+        raise OpsError(f"{address} answered {exc.status} to {exc.command!r}") from None
     finally:
         conn.close()
 
@@ -242,7 +266,13 @@ def _list_tubes(conn: Connection) -> list[str]:
 @click.argument("tube", required=False)
 @common_options
 def stats_command(tube: str | None, host: Target, as_json: bool) -> None:
-    """Server statistics, or one TUBE's statistics (beanstalkd's stats / stats-tube)."""
+    """Server statistics, or one TUBE's statistics (beanstalkd's stats / stats-tube).
+
+    With a ``cluster:`` host: each member's role, epoch and lag, then the leader's stats."""
+    broker = target_broker(host)
+    if tube is None and broker.is_cluster:
+        _cluster_stats(host, broker, as_json)
+        return
     with connect(host) as conn:
         if tube is None:
             data = conn.stats()
@@ -258,6 +288,22 @@ def stats_command(tube: str | None, host: Target, as_json: bool) -> None:
         emit_json(data)
     else:
         _console().print(_kv_table(title, data))
+
+
+def _cluster_stats(host: Target, broker: BrokerAddress, as_json: bool) -> None:
+    rows = member_rows(broker, _member_connector(host, 5.0))
+    leader: dict[str, Any] | None = None
+    with contextlib.suppress(Unreachable), connect(host) as conn:   # mid-failover: the rows say why
+        leader = conn.stats()
+    if as_json:
+        emit_json({"members": rows, "leader": leader})
+        return
+    console = _console()
+    console.print(members_table(f"members of {broker.name}", rows))
+    if leader is None:
+        console.print("no member leads now (a failover takes about the lease TTL + 0.5 s)")
+    else:
+        console.print(_kv_table("stats of the leader", leader))
 
 
 # --- tubes -------------------------------------------------------------------------------
@@ -635,7 +681,11 @@ def _top_view(address: str, sample: dict[str, Any], interval: float) -> Group:
                 f"jobs ready {server.get('current-jobs-ready', '?')} "
                 f"reserved {server.get('current-jobs-reserved', '?')} "
                 f"delayed {server.get('current-jobs-delayed', '?')} "
-                f"buried {server.get('current-jobs-buried', '?')}\n")
+                f"buried {server.get('current-jobs-buried', '?')}")
+    if "replication-role" in server:   # a member of a replica set: where it stands
+        head.append(f"  {server['replication-role']} epoch {server.get('replication-epoch')} "
+                    f"lag {server.get('replication-lag-records')} records", style="bold")
+    head.append("\n")
     head.append(f"put/s {_rate(rates['cmd-put'])}  reserve/s {_rate(rates['cmd-reserve'])}  "
                 f"delete/s {_rate(rates['cmd-delete'])}  (every {interval:g}s; Ctrl-C to quit)", style="dim")
     return Group(head, _tubes_table("", sample["tubes"], sample["rates"], _TOP_COLUMNS))

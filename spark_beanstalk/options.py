@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from beanstalk_rules.hosts import parse_hosts, uses_tls
+from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers, uses_tls
 from beanstalk_rules.tokens import read_token_text
 from beanstalk_rules.tubes import tube_name_problem
 
@@ -82,13 +82,32 @@ def get_str(options: Mapping[str, str], key: str, default: str,
     return value
 
 
-def get_hosts(options: Mapping[str, str], key: str = "hosts",
-              default: str = "127.0.0.1:11300") -> list[tuple[str, int]]:
+def get_brokers(options: Mapping[str, str], key: str = "hosts",
+                default: str = "127.0.0.1:11300", unique: bool = False) -> tuple[BrokerAddress, ...]:
+    """The logical brokers of a hosts option (a ``cluster:`` replica set is one); with `unique`,
+    no server twice (the source keys what it holds by broker)."""
     spec = get_str(options, key, default)
     try:
-        return parse_hosts(spec)
+        brokers = parse_brokers(spec)
     except ValueError as exc:
         raise OptionError(f"option {key}: {exc}") from None
+    servers = [m.address for b in brokers for m in b.members]
+    if unique and len(set(servers)) != len(servers):
+        raise OptionError(f"option {key} names a broker twice: {spec!r}")
+    return tuple(brokers)
+
+
+def first_members(brokers: tuple[BrokerAddress, ...]) -> tuple[tuple[str, int], ...]:
+    """(host, port) of each logical broker's first member: the ``hosts`` field kept for callers
+    that only know plain brokers."""
+    return tuple((b.members[0].host, b.members[0].port) for b in brokers)
+
+
+def brokers_of(brokers: tuple[BrokerAddress, ...], hosts: tuple[tuple[str, int], ...]) -> tuple[BrokerAddress, ...]:
+    """The parsed brokers, or plain ones made from `hosts` (options built without ``parse``)."""
+    if brokers:
+        return brokers
+    return tuple(BrokerAddress(f"{h}:{p}", (HostSpec(h, p, False),)) for h, p in hosts)
 
 
 def check_tube_name(name: str) -> None:
@@ -169,6 +188,7 @@ class SourceOptions:
     prefetch: bool = True                    # reserve the next batch's jobs while the current batch runs
     prefetch_poll_ms: int = 20               # how often the read-ahead polls empty tubes
     security: Security = Security()          # tls, caFile, certFile, keyFile, authTokenFile
+    brokers: tuple[BrokerAddress, ...] = ()  # from `hosts`: logical brokers (a cluster: is one); see links()
 
     KEYS = (
         "hosts", "tubes", "maxJobsPerTrigger", "numPartitions", "reserveTimeout", "jobsPerConnection",
@@ -183,9 +203,7 @@ class SourceOptions:
         if unknown:   # named as the user spelled them
             raise OptionError(f"unknown beanstalk source option(s) {', '.join(unknown)}; "
                               f"known options: {', '.join(cls.KEYS)}")
-        hosts = tuple(get_hosts(options, "hosts"))
-        if len(set(hosts)) != len(hosts):
-            raise OptionError(f"option hosts names a broker twice: {get_str(options, 'hosts', '')!r}")
+        brokers = get_brokers(options, "hosts", unique=True)
         tubes = get_tubes(options, "tubes")
         if len(set(tubes)) != len(tubes):
             raise OptionError(f"option tubes names a tube twice: {','.join(tubes)!r}")
@@ -198,7 +216,8 @@ class SourceOptions:
         if reserve_timeout >= socket_timeout:
             raise OptionError(f"option reserveTimeout={reserve_timeout} must be below socketTimeout={socket_timeout}")
         return cls(
-            hosts=hosts,
+            hosts=first_members(brokers),
+            brokers=brokers,
             tubes=tuple(tubes),
             max_jobs_per_trigger=get_int(options, "maxJobsPerTrigger", 20000, minimum=0),
             num_partitions=get_int(options, "numPartitions", 2, minimum=1, maximum=256),
@@ -214,9 +233,12 @@ class SourceOptions:
             security=Security.parse(options),
         )
 
+    def links(self) -> tuple[BrokerAddress, ...]:
+        return brokers_of(self.brokers, self.hosts)
+
     @property
     def addresses(self) -> list[str]:
-        return [f"{host}:{port}" for host, port in self.hosts]
+        return [b.name for b in self.links()]
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
@@ -259,6 +281,7 @@ class WriterOptions:
     marker_retain: int = 1000                 # markers kept per writer id
     arrow: bool = True                        # data source: Arrow writer variants
     security: Security = Security()           # tls, caFile, certFile, keyFile, authTokenFile
+    brokers: tuple[BrokerAddress, ...] = ()   # from `hosts`: logical brokers (a cluster: is one); see links()
 
     KEYS = ("hosts", "tube", "priority", "delay", "ttr", "keyColumn", "distribution",
             "deadLetterPath", "validate", "maxJobSize", "window", "timeout", "connectTimeout",
@@ -301,8 +324,10 @@ class WriterOptions:
             check_tube_name(tube)
         except OptionError as exc:
             raise OptionError(f"option tube: {exc}") from None
+        brokers = get_brokers(o, "hosts", "127.0.0.1:11300")
         return cls(
-            hosts=tuple(get_hosts(o, "hosts", "127.0.0.1:11300")),
+            hosts=first_members(brokers),
+            brokers=brokers,
             tube=tube,
             priority=get_int(o, "priority", 2**31, 0, MAX_U32),
             delay=get_int(o, "delay", 0, 0, MAX_U32),
@@ -325,5 +350,8 @@ class WriterOptions:
             security=Security.parse(o),
         )
 
+    def links(self) -> tuple[BrokerAddress, ...]:
+        return brokers_of(self.brokers, self.hosts)
+
     def host_names(self) -> list[str]:
-        return [f"{h}:{p}" for h, p in self.hosts]
+        return [b.name for b in self.links()]

@@ -29,10 +29,13 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
 from spark_beanstalk.client import Connection, ConnectionLost
+from spark_beanstalk.leader import open_leader
 from spark_beanstalk.options import (
     MAX_U32,
     OptionError,
@@ -334,7 +337,8 @@ class _HostPool:
 
     def __init__(self, opts: WriterOptions) -> None:
         self.opts = opts
-        self.addresses = [f"{h}:{p}" for h, p in opts.hosts]
+        self.links = opts.links()
+        self.addresses = [b.name for b in self.links]
         self.conns: dict[int, Connection] = {}
         self.used: dict[int, str] = {}
         self.down: dict[int, str] = {}
@@ -347,17 +351,12 @@ class _HostPool:
             return existing
         if h in self.down:
             return None
-        host, port = self.opts.hosts[h]
         try:
-            conn = Connection(host, port, timeout=self.opts.timeout, connect_timeout=self.opts.connect_timeout,
-                              **self.opts.security.connect_kwargs())
-            stats = conn.stats()
+            # a cluster: broker is whichever member leads now (asked again after every drop)
+            conn, _, stats = open_leader(self.links[h], partial(_connect_member, self.opts))
         except (ConnectionLost, OSError) as exc:
             self.down[h] = f"cannot connect: {exc.__cause__ or exc}"
             return None
-        except Exception as exc:  # noqa: BLE001 - a server that does not answer stats still takes puts
-            log.debug("stats on %s failed: %s", self.addresses[h], exc)
-            stats = {}
         size = stats.get("max-job-size") if isinstance(stats, dict) else None
         self.max_job_size[h] = int(size) if isinstance(size, int) and size > 0 else DEFAULT_MAX_JOB_SIZE
         if isinstance(stats, dict) and stats.get("draining") in ("true", True):
@@ -701,9 +700,14 @@ def legacy_marker_tube(namespace: str, batch_id: int) -> str:
     return f"{MARKER_PREFIX}{namespace}.{batch_id}"
 
 
-def _connect(opts: WriterOptions, host: str, port: int) -> Connection:
-    return Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
+def _connect_member(opts: WriterOptions, member: HostSpec) -> Connection:
+    return Connection(member.host, member.port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
                       **opts.security.connect_kwargs())
+
+
+def _connect(opts: WriterOptions, broker: BrokerAddress) -> Connection:
+    """A connection to the broker (a cluster's leader: markers are changes)."""
+    return open_leader(broker, partial(_connect_member, opts)).conn
 
 
 def _last_completed(conn: Connection, namespace: str) -> int | None:
@@ -730,18 +734,18 @@ def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | N
 
     Completed: at most ``markerRetain`` batches behind the last completed batch id.
     """
-    for host, port in opts.hosts:
+    for broker in opts.links():
         try:
-            with _connect(opts, host, port) as conn:
+            with _connect(opts, broker) as conn:
                 last = _last_completed(conn, namespace)
                 if last is not None and last - opts.marker_retain < batch_id <= last:
-                    return f"{host}:{port}"
+                    return broker.name
                 if _holds_legacy_marker(conn, namespace, batch_id):
-                    return f"{host}:{port}"
+                    return broker.name
         except (ConnectionLost, OSError):
             continue
         except Exception as exc:  # noqa: BLE001 - a failed check only weakens replay detection
-            log.warning("marker check on %s:%s failed: %s", host, port, exc)
+            log.warning("marker check on %s failed: %s", broker.name, exc)
     return None
 
 
@@ -776,16 +780,16 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
     tube = marker_tube(namespace)
     body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
     written = 0
-    for host, port in opts.hosts:
+    for broker in opts.links():
         try:
-            with _connect(opts, host, port) as conn:
+            with _connect(opts, broker) as conn:
                 conn.use(tube)
                 new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
                 written += 1
                 _delete_all(conn, tube, keep=new_id)
                 _drop_legacy_markers(conn, namespace)
         except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
-            log.warning("could not write batch marker %s on %s:%s: %s", tube, host, port, exc)
+            log.warning("could not write batch marker %s on %s: %s", tube, broker.name, exc)
     if not written:
         log.warning("batch %s was put but no broker took its completion marker; a replay would put it again",
                     batch_id)

@@ -6,6 +6,7 @@ in `spark_beanstalk.embedded` so that jobs/ and bench/ share them too.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 
@@ -24,6 +25,7 @@ from spark_beanstalk.embedded import (
 
 __all__ = [
     "ServerExitedEarly",
+    "ReplicaSet",
     "ServerProcess",
     "TcpProxy",
     "beanstalkd_process",
@@ -142,3 +144,67 @@ def tube_jobs(proc: ServerProcess, tube: str) -> dict[str, int]:
     with Connection(proc.host, proc.port, timeout=10) as conn:
         st = conn.stats_tube(tube) or {}
     return {k: int(st.get(f"current-jobs-{k}", 0)) for k in ("ready", "reserved", "delayed", "buried")}
+
+
+def member_stats(proc: ServerProcess) -> dict[str, object] | None:
+    """A server's stats, or None when it cannot answer (down, mid-restart)."""
+    from spark_beanstalk.client import BeanstalkError, Connection
+
+    try:
+        with Connection(proc.host, proc.port, timeout=2, connect_timeout=1) as conn:
+            return conn.stats()
+    except (BeanstalkError, OSError):
+        return None
+
+
+class ReplicaSet:
+    """etcd + `n` replicated members on loopback (`--sync-replicas`, lease TTL 1 s): the topology
+    of docs/replication.md, for tests of clients that follow the leader (`cluster:` hosts)."""
+
+    def __init__(self, root: str, n: int = 3, sync: int = 1) -> None:
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+        self.etcd = etcd_process(f"{root}/etcd", stderr_path=f"{root}/etcd.log").start()
+        self.members: list[ServerProcess] = []
+        try:
+            for i in range(n):
+                self.members.append(member_process(f"{root}/m{i}", etcd=f"http://{self.etcd.address}", name=f"m{i}",
+                                                   sync_replicas=sync, stderr_path=f"{root}/m{i}.log").start())
+                if i == 0:
+                    wait_until(self.leader, 15, what="the first member leads")
+            leader = self.members[0]
+            for m in self.members[1:]:
+                wait_until(lambda m=m: self.caught_up(leader, m), 15, what="replicas joined")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def hosts(self) -> str:
+        """The connector's spec for the set: one logical broker."""
+        return "cluster:" + ",".join(m.address for m in self.members)
+
+    def leader(self) -> ServerProcess | None:
+        """The one live member that reports itself leader, or None (none or, briefly, two)."""
+        found = [m for m in self.members if m.proc is not None and m.proc.poll() is None
+                 and (member_stats(m) or {}).get("replication-role") == "leader"]
+        return found[0] if len(found) == 1 else None
+
+    @staticmethod
+    def caught_up(leader: ServerProcess, member: ServerProcess) -> bool:
+        a, b = member_stats(leader), member_stats(member)
+        position = ("replication-epoch", "replication-seq")
+        return bool(a and b and b["replication-role"] == "replica" and b["replication-lag-records"] == 0
+                    and [a[k] for k in position] == [b[k] for k in position])
+
+    def kill_leader(self) -> ServerProcess:
+        """SIGKILL the leader; returns it (restart with `.start()` after clearing `port_chosen`)."""
+        leader = self.leader()
+        assert leader is not None, "no single leader to kill"
+        leader.kill()
+        return leader
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+        self.etcd.stop()

@@ -66,6 +66,7 @@ class ServerView:
             "cmd_rate": self._rate(lambda s: sum(v for k, v in s.stats.items()
                                                  if k.startswith("cmd-") and isinstance(v, int))),
             "binlog_bytes": extra.get("binlog_bytes"),
+            "replication": replication_text(st),
         }
 
     def tube_rows(self) -> list[dict[str, Any]]:
@@ -99,6 +100,17 @@ class ServerView:
                 for i in range(3):
                     series[i + 1].append(values[i] if values else None)
         return out
+
+
+def replication_text(stats: dict[str, Any]) -> str | None:
+    """'leader · epoch 7' / 'replica · epoch 7 · lag 3 (0.012 s)' for a replicated member, None otherwise."""
+    role = stats.get("replication-role")
+    if role is None:
+        return None
+    text = f"{role} · epoch {stats.get('replication-epoch')}"
+    if role != "leader":
+        text += f" · lag {stats.get('replication-lag-records')} ({stats.get('replication-lag-seconds')} s)"
+    return text
 
 
 def _tube_int(sample: Sample, tube: str, key: str) -> int:

@@ -11,7 +11,7 @@
       const tr = document.createElement("tr"); tr.dataset.server = s.id;
       tr.append(cell(s.name), cell(s.up ? "up" : s.error, s.up ? "up" : "down"), cell(s.version), cell(s.uptime), cell(s.connections));
       for (const k of ["ready", "reserved", "delayed", "buried"]) tr.append(cell(s.jobs[k]));
-      tr.append(cell(s.cmd_rate), cell(bytes(s.binlog_bytes))); body.append(tr);
+      tr.append(cell(s.cmd_rate), cell(bytes(s.binlog_bytes)), cell(s.replication, "replication")); body.append(tr);
     }
   }
   function tubeRows(tubes, servers) {

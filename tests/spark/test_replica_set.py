@@ -1,0 +1,120 @@
+"""The connector follows the leader of a replica set (issue 15 item 4): ``hosts`` =
+``cluster:a,b,c`` is one logical broker. Real processes: etcd + 3 members with
+``--sync-replicas 1`` on loopback; the leader is SIGKILLed mid-stream and a new one is
+elected (about 1.5 s). The source must deliver every job exactly once into an idempotent
+sink (one file per batch id) without the query failing; a writer must put every row,
+duplicating only rows whose INSERTED reply was lost with the connection.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from spark_beanstalk.client import Connection, ConnectionLost
+from spark_beanstalk.embedded import ServerProcess
+from spark_beanstalk.writer import beanstalk_put
+from tests.helpers import ReplicaSet, drain_tube, wait_until
+from tests.spark.test_source_faults import BatchFiles, assert_exactly_once, left_in, put, start_query
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
+
+JOBS = 2000
+
+
+@pytest.fixture
+def replica_set(tmp_path):
+    rs = ReplicaSet(str(tmp_path / "rs"))
+    yield rs
+    rs.stop()
+
+
+def _new_leader(rs: ReplicaSet, old: ServerProcess) -> ServerProcess:
+    wait_until(lambda: rs.leader() not in (None, old), 15, what="a new leader")
+    leader = rs.leader()
+    assert leader is not None
+    return leader
+
+
+def test_source_reads_through_a_leader_failover(spark, replica_set, tmp_path):
+    """SIGKILL of the leader while a batch is being written (jobs reserved, not yet deleted):
+    0 lost, 0 duplicates, the query never fails, and it reads on from the new leader."""
+    rs = replica_set
+    leader = rs.leader()
+    assert leader is not None
+    first = [f"a-{i}".encode() for i in range(JOBS)]
+    put(leader, "t", first)
+    killed: list[ServerProcess] = []
+
+    def kill_during_batch(batch_id: int, rows: list[tuple[str, str]]) -> None:
+        if not killed and batch_id >= 2:
+            killed.append(rs.kill_leader())
+
+    sink = BatchFiles(tmp_path / "out", hook=kill_during_batch)
+    started = time.monotonic()
+    query = start_query(spark, sink, tmp_path / "ckpt", rs.hosts, maxJobsPerTrigger=200)
+    try:
+        wait_until(lambda: bool(killed) or query.exception() is not None, 60, what="the leader killed mid-batch")
+        new = _new_leader(rs, killed[0])
+        second = [f"b-{i}".encode() for i in range(JOBS // 2)]
+        put(new, "t", second)                  # taken by the new leader, read through the same `hosts`
+        expected = {(rs.hosts, b.decode()) for b in first + second}
+
+        def done() -> bool:
+            if query.exception() is not None:
+                raise AssertionError(f"the query failed: {query.exception()}")
+            return expected <= set(sink.seen()) and left_in(new, "t") == 0
+
+        wait_until(done, 120, interval=0.25, what="every job in the sink and none left ready or reserved")
+        assert_exactly_once(sink, expected)
+        assert query.exception() is None
+        progress = query.lastProgress or {}
+        print(f"source through failover: {len(expected)} jobs in {time.monotonic() - started:.1f}s, "
+              f"{len(sink.batches())} batches, progress {progress.get('batchId')}")
+    finally:
+        query.stop()
+
+
+def _total_jobs(rs: ReplicaSet, tube: str) -> int:
+    leader = rs.leader()
+    if leader is None:
+        return 0
+    try:
+        with Connection(leader.host, leader.port, timeout=5, connect_timeout=1) as conn:
+            return int((conn.stats_tube(tube) or {}).get("total-jobs", 0))
+    except (ConnectionLost, OSError):
+        return 0
+
+
+def _kill_when(rs: ReplicaSet, at_least: int, killed: list[Any]) -> None:
+    wait_until(lambda: _total_jobs(rs, "w") >= at_least, 120, interval=0.01, what=f"{at_least} rows put")
+    killed.append(rs.kill_leader())
+
+
+def test_writer_puts_through_a_leader_failover(spark, replica_set):
+    """A write with the leader SIGKILLed at a third: every row arrives on the new leader; the only
+    duplicates are rows whose reply was lost (at most one window per partition's connection)."""
+    rs = replica_set
+    rows, partitions, window = 3000, 2, 16
+    df = spark.range(rows, numPartitions=partitions).selectExpr("cast(id as string) as body")
+    killed: list[Any] = []
+    killer = threading.Thread(target=_kill_when, args=(rs, rows // 3, killed), daemon=True)
+    killer.start()
+    started = time.monotonic()
+    summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window, retryInterval=0.2).write(df)
+    elapsed = time.monotonic() - started
+    killer.join(30)
+    assert killed, "the leader was not killed during the write"
+    assert summary.reconnect_rounds >= 1, "the write finished before the leader went down"
+    new = _new_leader(rs, killed[0])
+    counts = Counter(int(b) for b in drain_tube(new, "w"))
+    duplicates = sum(c - 1 for c in counts.values())
+    print(f"writer through failover: {rows} rows in {elapsed:.1f}s, duplicates {duplicates}, "
+          f"reconnect rounds {summary.reconnect_rounds}, failovers {summary.failovers}")
+    assert set(counts) == set(range(rows))
+    assert duplicates <= window * partitions
+    assert summary.put == rows
+    assert list(summary.hosts) == [rs.hosts]       # one logical broker, whichever member led

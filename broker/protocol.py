@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
+
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
 

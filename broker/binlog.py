@@ -107,7 +107,6 @@ class Binlog(SegmentLog, QueueListener):
         self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does
         self.ignore_damage = ignore_damage
         self._skipped_updates = 0
-        self.reserves_written = 0
         self._recovered: ScanResult | None = None
         self._damaged: list[int] = []
         self._closed = False
@@ -223,8 +222,7 @@ class Binlog(SegmentLog, QueueListener):
         Not counted in ``binlog-records-written``, which stays what beanstalkd (which does not
         log reserves) reports for the same commands.
         """
-        if self._append_update(job):
-            self.reserves_written += 1
+        self._append_update(job)
 
     def _append_update(self, job: Job) -> bool:
         state = job.state

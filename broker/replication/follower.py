@@ -67,7 +67,6 @@ class Applier:
         self.snapshot: set[int] | None = None
         self.leader_head = pos.seq
         self.caught_up_at = time.monotonic()
-        self.snapshots = 0
 
     def lag_records(self) -> int:
         return max(0, self.leader_head - self.pos.seq)
@@ -129,7 +128,6 @@ class Applier:
         for job_id in [i for i in self.queue.jobs if i not in keep]:
             self.queue.apply_delete(job_id)
         self.snapshot = None
-        self.snapshots += 1
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = m.seq
         self._bump_next_id(m.payload)

@@ -10,6 +10,13 @@ Medians over the repetitions are reported.
     python bench/broker_bench.py                 # full run (~15-25 min)
     python bench/broker_bench.py --quick         # 1 rep, 1 s per row (~2-4 min)
     python bench/broker_bench.py --servers beanstalkd --workloads put,cycle --conns 1,50
+    python bench/broker_bench.py --pure --workloads put,cycle --conns 50 --depths 1   # both builds of ours
+    python bench/broker_bench.py --instructions   # instructions per command under callgrind (load-proof)
+
+Servers per row (bench/servers.py): beanstalkd 1.12, ours, ours-pure (SPARK_BEANSTALK_PURE=1)
+and the Python floor (shared/tools/python_floor.py: asyncio + uvloop, no broker logic).
+Ratios between them move from machine to machine: the header names the CPU, the Python
+build and the load average the table came from.
 
 Prints a markdown table and writes bench/out/broker.json.
 """
@@ -34,10 +41,11 @@ SRC = BENCH / "loadgen.c"
 BIN = BENCH / "bin" / "loadgen"
 OUT = BENCH / "out"
 
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (str(ROOT), str(BENCH)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402
+import servers
 
 SERVER_CPU = 0  # the core the server gets when pinned
 CLIENT_CPU = 1  # the core the load generator gets when pinned
@@ -109,12 +117,10 @@ def proc_status(pid: int, key: str) -> int | None:
     return None
 
 
-def start_server(kind: str, ours_args: list[str], log_dir: Path):
+def start_server(kind: str, ours_args: list[str], log_dir: Path, floor: str | None = None):
+    """kind: beanstalkd, ours, ours-pure or floor (see bench/servers.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    if kind == "ours":
-        proc = broker_process(extra_args=ours_args, stderr_path=str(log_dir / "ours.stderr.log"))
-    else:
-        proc = beanstalkd_process(stderr_path=str(log_dir / "beanstalkd.stderr.log"))
+    proc = servers.server_process(kind, ours_args, stderr_path=str(log_dir / f"{kind}.stderr.log"), floor=floor)
     return proc.start(timeout=30)
 
 
@@ -136,7 +142,7 @@ def run_loadgen(args: list[str], pin: set[int] | None, timeout: float) -> dict:
 
 def one_run(kind: str, workload: str, conns: int, depth: int, pinned: bool, opts) -> dict:
     """Start a fresh server, (pre-fill,) run the workload, stop the server."""
-    srv = start_server(kind, opts.ours_args, OUT / "logs")
+    srv = start_server(kind, opts.ours_args, OUT / "logs", floor=opts.floor)
     try:
         set_affinity(srv.pid, {SERVER_CPU} if pinned else all_cpus())
         client_pin = {CLIENT_CPU} if pinned else None
@@ -208,17 +214,39 @@ def fmt_num(v, nd=1):
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+OURS = ("ours", "ours-pure")
+REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"))
+
+
+def add_ratios(row: dict) -> None:
+    """ours/beanstalkd and ours/floor on ops/s (jobs/s for drain), for each build of ours."""
+    metric = "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
+    ratios = {}
+    for ours in OURS:
+        o = row["servers"].get(ours, {}).get(metric)
+        for ref, _ in REFERENCES:
+            r = row["servers"].get(ref, {}).get(metric)
+            ratios[f"{ours}/{ref}"] = (o / r) if (o is not None and r) else None
+    row["ratios"] = ratios
+    row["ratio"] = ratios.get("ours/beanstalkd")  # the historical column
+    oc = row["servers"].get("ours", {}).get("server_cpu_us_per_op")
+    bc = row["servers"].get("beanstalkd", {}).get("server_cpu_us_per_op")
+    row["cpu_ratio"] = (bc / oc) if (oc and bc) else None  # >= 0.5: ours needs <= 2x CPU per command
+
+
+def ratio_columns(servers: list[str]) -> list[tuple[str, str]]:
+    return [(f"{o}/{ref}", f"{o}/{short}") for o in OURS if o in servers
+            for ref, short in REFERENCES if ref in servers]
+
+
 def markdown(rows: list[dict], servers: list[str]) -> str:
-    both = "ours" in servers and "beanstalkd" in servers
+    ratios = ratio_columns(servers)
     hdr = ["workload", "conns", "depth", "pinned"]
     for s in servers:
         hdr += [f"{s} ops/s", f"{s} p50 / p99"]
-    if both:
-        hdr += ["ratio ours/bs"]
+    hdr += [label for _, label in ratios]
     for s in servers:
         hdr += [f"{s} CPU us/cmd"]
-    if both:
-        hdr += ["CPU ratio bs/ours"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * (len(hdr) - 4)) + "|"]
     for row in rows:
         cells = [row["workload"], str(row["conns"]), str(row["depth"]), "yes" if row["pinned"] else "no"]
@@ -232,15 +260,20 @@ def markdown(rows: list[dict], servers: list[str]) -> str:
             if m.get("errors"):
                 rate += f" [{m['errors']} errors]"
             cells += [rate, f"{fmt_lat(m.get('p50_us'))} / {fmt_lat(m.get('p99_us'))}"]
-        if both:
-            r = row.get("ratio")
-            cells += ["-" if r is None else f"**{r:.2f}**" if r < 0.5 else f"{r:.2f}"]
+        for key, _ in ratios:
+            r = row.get("ratios", {}).get(key)
+            cells += ["-" if r is None else f"{r:.2f}"]
         for s in servers:
             cells += [fmt_num(row["servers"].get(s, {}).get("server_cpu_us_per_op"))]
-        if both:
-            cells += [fmt_num(row.get("cpu_ratio"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def machine_line(meta: dict) -> str:
+    m = meta["machine"]
+    builds = "; ".join(f"{k}: {v}" for k, v in meta.get("builds", {}).items())
+    return (f"{m['cpu_model']}, {m['nproc']} CPUs, kernel {m['kernel']}; {m['python']}"
+            + (f"; {builds}" if builds else ""))
 
 
 # ----------------------------------------------------------------- profiling
@@ -284,7 +317,7 @@ def profile_ours(spec: str, opts) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     tag = f"{workload}_c{conns}_d{depth}{'_native' if opts.native else ''}"
     raw = OUT / f"profile_{tag}.raw.txt"
-    srv = start_server("ours", opts.ours_args, OUT / "logs")
+    srv = start_server(opts.profile_server, opts.ours_args, OUT / "logs", floor=opts.floor)
     spy = None
     try:
         pinned = conns == 1 or opts.pin == "all"
@@ -324,7 +357,16 @@ def profile_ours(spec: str, opts) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 s rows, 20k-job drains")
-    p.add_argument("--servers", default="beanstalkd,ours", help="comma list of: ours, beanstalkd")
+    p.add_argument("--servers", default="beanstalkd,ours,floor",
+                   help="comma list of: beanstalkd, ours, ours-pure, floor (see bench/servers.py)")
+    p.add_argument("--pure", action="store_true",
+                   help="also run ours-pure (SPARK_BEANSTALK_PURE=1): both builds of ours side by side")
+    p.add_argument("--floor", default=None, help="path of python_floor.py (default: shared/tools/ beside the repo)")
+    p.add_argument("--instructions", action="store_true",
+                   help="instead of the table: instructions per command under callgrind (see bench/instructions.py)")
+    p.add_argument("--instr-ops", type=int, default=20000, help="with --instructions: commands measured per row")
+    p.add_argument("--annotate", type=int, default=0, metavar="N",
+                   help="with --instructions: also print the N most expensive C functions (callgrind_annotate)")
     p.add_argument("--workloads", default="put,cycle,drain", help="comma list of: put, cycle, drain")
     p.add_argument("--conns", default="1,50,500")
     p.add_argument("--depths", default="1,64")
@@ -342,6 +384,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="WORKLOAD:CONNS:DEPTH",
                    help="instead of the table: run that one row against our broker under py-spy, print hot spots")
     p.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
+    p.add_argument("--profile-server", default="ours", choices=("ours", "ours-pure", "floor"),
+                   help="with --profile: which server to profile")
     p.add_argument("--table-from", metavar="JSON", help="only re-print the markdown table of an earlier run's JSON")
     o = p.parse_args(argv)
     o.reps = o.reps or (1 if o.quick else 3)
@@ -353,9 +397,16 @@ def parse_args(argv=None):
     o.conns = [int(c) for c in o.conns.split(",") if c]
     o.depths = [int(d) for d in o.depths.split(",") if d]
     o.ours_args = o.ours_args.split()
+    if o.pure and "ours-pure" not in o.servers:
+        o.servers.insert(o.servers.index("ours") + 1 if "ours" in o.servers else len(o.servers), "ours-pure")
     for s in o.servers:
-        if s not in ("ours", "beanstalkd"):
-            p.error(f"unknown server {s}")
+        if s not in servers.KINDS:
+            p.error(f"unknown server {s} (one of {', '.join(servers.KINDS)})")
+    if "floor" in o.servers or o.profile_server == "floor":
+        try:
+            o.floor = str(servers.floor_script(o.floor))
+        except servers.FloorMissing as exc:
+            p.error(str(exc))
     for w in o.workloads:
         if w not in ("put", "cycle", "drain"):
             p.error(f"unknown workload {w}")
@@ -367,15 +418,11 @@ def table_from(path: str) -> int:
     rows = data["rows"]
     servers = data["meta"]["args"]["servers"]
     for row in rows:
-        metric = "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
-        o = row["servers"].get("ours", {}).get(metric)
-        b = row["servers"].get("beanstalkd", {}).get(metric)
-        row["ratio"] = (o / b) if (o is not None and b) else None
-        oc = row["servers"].get("ours", {}).get("server_cpu_us_per_op")
-        bc = row["servers"].get("beanstalkd", {}).get("server_cpu_us_per_op")
-        row["cpu_ratio"] = (bc / oc) if (oc and bc) else None
+        add_ratios(row)
     meta = data["meta"]
     print(markdown(rows, servers))
+    if "machine" in meta:
+        print(f"\n{machine_line(meta)}")
     print(f"\nstarted {meta['started_utc']}, finished {meta.get('finished_utc')}, commit {meta['git']['commit']}"
           f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; load average at start "
           f"{meta['loadavg_start'][0]:.2f}, at end {meta.get('loadavg_end', [0])[0]:.2f}")
@@ -391,6 +438,10 @@ def main(argv=None) -> int:
     nofile = raise_nofile()
     if opts.profile:
         return profile_ours(opts.profile, opts)
+    if opts.instructions:
+        import instructions
+
+        return instructions.main(opts)
     if max(opts.conns) + 64 > nofile:
         print(f"warning: RLIMIT_NOFILE is {nofile}; {max(opts.conns)} connections may fail", file=sys.stderr)
     started = _dt.datetime.now(_dt.timezone.utc)
@@ -402,6 +453,8 @@ def main(argv=None) -> int:
         "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
         "args": {k: v for k, v in vars(opts).items()},
+        "machine": servers.machine(),
+        "builds": {kind: servers.build_of_ours(kind == "ours-pure") for kind in opts.servers if kind in OURS},
     }
     try:
         meta["beanstalkd_version"] = subprocess.run(["beanstalkd", "-v"], capture_output=True, text=True).stdout.strip()
@@ -410,6 +463,7 @@ def main(argv=None) -> int:
     print(f"# broker bench {meta['started_utc']} commit {meta['git']['commit']}"
           f"{' (broker/ has uncommitted changes)' if meta['git']['broker_dirty'] else ''}, load {meta['loadavg_start'][0]:.2f}",
           file=sys.stderr)
+    print(f"# {machine_line(meta)}", file=sys.stderr)
 
     rows = []
     for workload in opts.workloads:
@@ -436,13 +490,7 @@ def main(argv=None) -> int:
                         print(f"  {workload:5} c={conns:<3} d={depth:<2} rep {rep + 1} {kind:10} {msg}", file=sys.stderr)
                 for kind in opts.servers:
                     row["servers"][kind] = summarize(row["runs"].get(kind, []))
-                metric = "jobs_per_s" if workload == "drain" else "ops_per_s"
-                o = row["servers"].get("ours", {}).get(metric)
-                b = row["servers"].get("beanstalkd", {}).get(metric)
-                row["ratio"] = (o / b) if (o is not None and b) else None
-                oc = row["servers"].get("ours", {}).get("server_cpu_us_per_op")
-                bc = row["servers"].get("beanstalkd", {}).get("server_cpu_us_per_op")
-                row["cpu_ratio"] = (bc / oc) if (oc and bc) else None  # >= 0.5: ours needs <= 2x CPU per command
+                add_ratios(row)
                 rows.append(row)
 
     meta["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -454,6 +502,8 @@ def main(argv=None) -> int:
           f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; "
           f"load average at start {meta['loadavg_start'][0]:.2f}, at end {meta['loadavg_end'][0]:.2f}; "
           f"{opts.reps} rep(s), medians; load generator peak CPU {gen_max:.0f}% of one core")
+    print(machine_line(meta))
+    print("Ratios move between machines (CPU, kernel, Python build): compare servers of one run only.")
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "table_md": table}, indent=1, default=str))

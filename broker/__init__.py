@@ -10,3 +10,7 @@ Layers, each importable alone, lower ones never importing higher ones:
 - ``broker.state``, ``broker.connection``, ``broker.server``: the asyncio glue (what
   connections share, one connection with its flow control, the listeners and timer).
 """
+
+from broker import _build
+
+_build.select()  # compiled (mypyc) hot modules, or the interpreted ones: see broker/_build.py

@@ -259,6 +259,10 @@ class BrokerConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._resume)
 
     # -- command loop ---------------------------------------------------------------
+    def is_closing(self) -> bool:
+        """close() was called (quit, a failed auth, a refusal): nothing more is answered."""
+        return self.closing
+
     def _process(self) -> None:
         if self.closing:
             return
@@ -293,7 +297,7 @@ class BrokerConnection(asyncio.Protocol):
                 if reply is not None:
                     out.append(reply)
                     pending += len(reply)
-                elif self.closing:
+                elif self.is_closing():  # a call: mypy keeps `self.closing` narrowed to False here
                     return  # quit (or a failed auth): nothing more to answer
         finally:
             self.busy = False

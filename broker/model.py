@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from mypy_extensions import mypyc_attr
 
 NS = 1_000_000_000
 URGENT_THRESHOLD = 1024
@@ -23,7 +25,10 @@ STATE_NAMES = ("ready", "delayed", "reserved", "buried", "invalid")
 T = TypeVar("T")
 # A ready-heap entry is (pri, id, job), a delay-heap entry (deadline, id, job); the entry a
 # job points at is its live one (lazy deletion: identity = validity).
-HeapEntry = tuple[int, int, "Job"]
+# (pri or deadline, id, job). Variable-length on purpose: mypyc keeps such a tuple one boxed
+# object, where a tuple[int, int, Job] would be unboxed and boxed anew on each use, and the
+# identity `job.entry is entry` is what marks an entry live.
+HeapEntry = tuple[Any, ...]
 
 
 class SwapSet(Generic[T]):
@@ -73,21 +78,6 @@ class SwapSet(Generic[T]):
         return item
 
 
-def _rare_counter(index: int) -> property:
-    """A job counter kept in the shared ``Job.rare`` list, created on the first non-zero value."""
-
-    def get(job: Job) -> int:
-        rare = job.rare
-        return rare[index] if rare is not None else 0
-
-    def set_(job: Job, value: int) -> None:
-        if job.rare is None:
-            job.rare = [0, 0, 0, 0]
-        job.rare[index] = value
-
-    return property(get, set_)
-
-
 class Job:
     """One job; no timer handle (see broker.timers).
 
@@ -112,11 +102,6 @@ class Job:
         "ttr",
         "tube",
     )
-    timeouts = _rare_counter(0)
-    releases = _rare_counter(1)
-    buries = _rare_counter(2)
-    kicks = _rare_counter(3)
-
     def __init__(self, job_id: int, tube: Tube, pri: int, delay: int, ttr: int, body: bytes,
                  created: int) -> None:
         self.id = job_id
@@ -138,6 +123,49 @@ class Job:
         """Heap entries ``(key, id, job)`` tie only when a job is queued again under the key of its
         own stale entry (replication apply re-creating a job a replayed record names): either order is right."""
         return False
+
+    # The rarely used counters live in ``rare``, created on the first non-zero value. Plain
+    # properties: mypyc compiles them (a property object built by a helper it cannot).
+    def _rare_get(self, index: int) -> int:
+        rare = self.rare
+        return rare[index] if rare is not None else 0
+
+    def _rare_set(self, index: int, value: int) -> None:
+        if self.rare is None:
+            self.rare = [0, 0, 0, 0]
+        self.rare[index] = value
+
+    @property
+    def timeouts(self) -> int:
+        return self._rare_get(0)
+
+    @timeouts.setter
+    def timeouts(self, value: int) -> None:
+        self._rare_set(0, value)
+
+    @property
+    def releases(self) -> int:
+        return self._rare_get(1)
+
+    @releases.setter
+    def releases(self, value: int) -> None:
+        self._rare_set(1, value)
+
+    @property
+    def buries(self) -> int:
+        return self._rare_get(2)
+
+    @buries.setter
+    def buries(self, value: int) -> None:
+        self._rare_set(2, value)
+
+    @property
+    def kicks(self) -> int:
+        return self._rare_get(3)
+
+    @kicks.setter
+    def kicks(self, value: int) -> None:
+        self._rare_set(3, value)
 
     def set_counters(self, counters: tuple[int, int, int, int, int]) -> None:
         """(reserves, timeouts, releases, buries, kicks), as a recovered job had them."""
@@ -200,7 +228,8 @@ def live_entry(heap: list[HeapEntry]) -> HeapEntry | None:
     (stale ones above it are dropped)."""
     while heap:
         entry = heap[0]
-        if entry[2].entry is entry:
+        job: Job = entry[2]
+        if job.entry is entry:
             return entry
         heapq.heappop(heap)
     return None
@@ -208,7 +237,10 @@ def live_entry(heap: list[HeapEntry]) -> HeapEntry | None:
 
 def live_top(heap: list[HeapEntry]) -> Job | None:
     entry = live_entry(heap)
-    return entry[2] if entry is not None else None
+    if entry is None:
+        return None
+    job: Job = entry[2]
+    return job
 
 
 def pruned(heap: list[HeapEntry], live: int) -> list[HeapEntry]:
@@ -220,6 +252,7 @@ def pruned(heap: list[HeapEntry], live: int) -> list[HeapEntry]:
     return fresh
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # test doubles subclass it (tests/differential/harness.py)
 class Client:
     """One connection's protocol state. ``deliver`` receives replies produced later."""
 

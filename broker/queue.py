@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
+
+from mypy_extensions import mypyc_attr
 
 from broker import protocol as p
 from broker.limits import Limits, Refusals
@@ -55,6 +57,7 @@ class StorageFull(Exception):
     """Raised by a listener that cannot make a put durable (disk full): answer OUT_OF_MEMORY."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # broker.binlog.Binlog (interpreted) subclasses it
 class QueueListener:
     """Receives the state changes that a durable log must record. Default: do nothing."""
 
@@ -211,6 +214,9 @@ class Queue:
 
     # -- job movement --------------------------------------------------------------
     def _enqueue(self, job: Job, delay: int, now: int) -> None:
+        # Typed Any: compiled (mypyc), a typed tuple would be unboxed and boxed again per use, and
+        # `job.entry is entry` (one object in the heap and on the job) marks the live entry.
+        entry: Any
         job.reserver = None
         tube = job.tube
         if delay:

@@ -82,15 +82,19 @@ def get_session(app_name: str, master: str | None = None, **conf: str) -> SparkS
 
 
 def _register(spark: SparkSession) -> SparkSession:
-    """Register the "beanstalk" format explicitly too.
+    """Register the "beanstalk" format only where pyspark cannot find it by itself.
 
-    pyspark finds it on its own through the pyspark_beanstalk module; registering it here
-    as well keeps the jobs working where that discovery cannot see the module (e.g. a
-    stale editable install, or a Python path spark-submit does not pass on).
+    pyspark registers the ``DefaultSource`` of every ``pyspark_*`` module on the Python
+    path (here: pyspark_beanstalk) when a session starts; registering it again makes
+    Spark log "replaced a statically registered data source" before every query. So
+    register explicitly only when that module is not importable (e.g. a stale install).
     """
-    from spark_beanstalk.datasource import register
+    import importlib.util
 
-    register(spark)
+    if importlib.util.find_spec("pyspark_beanstalk") is None:
+        from spark_beanstalk.datasource import register
+
+        register(spark)
     return spark
 
 
@@ -226,7 +230,8 @@ def clear_dir(path: str, must_contain: Iterable[str] = ()) -> None:
 
 def tube_counts(hosts: str, tubes: Iterable[str]) -> dict[str, dict[str, int]]:
     """stats-tube of each tube summed over the brokers in `hosts` (missing tubes count 0)."""
-    from spark_beanstalk.client import Connection, parse_hosts
+    from beanstalk_rules.hosts import parse_hosts
+    from spark_beanstalk.client import Connection
 
     keys = ("current-jobs-ready", "current-jobs-reserved", "current-jobs-delayed", "current-jobs-buried",
             "total-jobs", "cmd-delete")

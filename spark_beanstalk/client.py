@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 import socket
 import ssl
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Self, TypeVar
 
 CRLF = b"\r\n"
 # Replies followed by "<bytes>\r\n<data>\r\n"; the byte count is the last argument.
@@ -21,6 +22,7 @@ _REPLIES_WITH_BODY = frozenset({b"RESERVED", b"FOUND", b"OK"})
 _MARKER = b"list-tube-used\r\n"
 _MARKER_REPLY = b"\r\nUSING "
 _RESERVED = re.compile(rb"RESERVED (\d+) (\d+)\r\n")
+T = TypeVar("T")
 
 
 class BeanstalkError(Exception):
@@ -34,7 +36,15 @@ class BeanstalkError(Exception):
 
 
 class ConnectionLost(BeanstalkError):
-    """The connection closed or failed while a reply was expected."""
+    """The connection closed or failed while a reply was expected.
+
+    ``replies`` holds what a pipelining helper read before the failure (those commands are
+    known done; the ones after are unknown).
+    """
+
+    def __init__(self, status: str, command: str, detail: str = "") -> None:
+        super().__init__(status, command, detail)
+        self.replies: list[Any] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +65,14 @@ class Job:
     body: bytes
 
 
-def parse_yaml(body: bytes) -> dict | list:
+def parse_yaml(body: bytes) -> dict[str, Any] | list[str]:
     """Parse beanstalkd's flat YAML (a mapping of scalars, or a list of names)."""
     lines = body.decode("utf-8", "replace").splitlines()
     if lines and lines[0] == "---":
         lines = lines[1:]
     if all(line.startswith("- ") for line in lines if line):
         return [line[2:] for line in lines if line]
-    result: dict = {}
+    result: dict[str, Any] = {}
     for line in lines:
         key, sep, value = line.partition(": ")
         if not sep:
@@ -71,7 +81,7 @@ def parse_yaml(body: bytes) -> dict | list:
     return result
 
 
-def _scalar(text: str):
+def _scalar(text: str) -> str | int | float:
     if text.startswith('"') and text.endswith('"') and len(text) >= 2:
         return text[1:-1]
     try:
@@ -82,6 +92,123 @@ def _scalar(text: str):
         return float(text)
     except ValueError:
         return text
+
+
+class ReplyReader:
+    """The receive side of one connection: owns the buffer and every rule for reading it.
+
+    Every pipelining helper of :class:`Connection` reads through it, so there is one copy
+    of the buffer rules: consumed bytes are dropped once everything is read or once more
+    than a megabyte of them has piled up, and a closed or silent socket raises
+    ``ConnectionLost``.
+    """
+
+    _COMPACT = 1 << 20
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+        self.buf = bytearray()
+        self.pos = 0
+
+    def fill(self) -> None:
+        """Receive one chunk (blocking); drops consumed bytes first when that is cheap or overdue."""
+        if self.pos and (self.pos == len(self.buf) or self.pos > self._COMPACT):
+            del self.buf[:self.pos]
+            self.pos = 0
+        try:
+            chunk = self.sock.recv(262144)
+        except TimeoutError as exc:
+            raise ConnectionLost("TIMED_OUT", "read", f"no reply from {self.address}") from exc
+        except OSError as exc:
+            raise ConnectionLost("RECV_FAILED", "read", f"{self.address}: {exc}") from exc
+        if not chunk:
+            raise ConnectionLost("CLOSED", "read", f"{self.address} closed the connection")
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        """One reply line, without its CRLF."""
+        while True:
+            end = self.buf.find(CRLF, self.pos)
+            if end >= 0:
+                line = bytes(self.buf[self.pos:end])
+                self.pos = end + 2
+                return line
+            self.fill()
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) - self.pos < n:
+            self.fill()
+        data = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return data
+
+    def raw_reply(self) -> tuple[bytes, bytes | None]:
+        """One reply as (status line, body or None); bodies come with RESERVED/FOUND/OK."""
+        line = self.line()
+        space = line.find(b" ")
+        if space > 0 and line[:space] in _REPLIES_WITH_BODY:
+            size = int(line[line.rfind(b" ") + 1:])
+            return line, self.exact(size + 2)[:-2]
+        return line, None
+
+    def reply(self) -> Reply:
+        """One reply as a Reply."""
+        line, body = self.raw_reply()
+        words = line.split(b" ")
+        return Reply(words[0], tuple(words[1:]), body)
+
+    def until_line_starting(self, marker: bytes) -> bytes:
+        """Everything up to and excluding the first line that begins with `marker` after a CRLF
+        (that line is consumed too): one search per received chunk, however many replies."""
+        scan = self.pos
+        while True:
+            at = self.buf.find(marker, scan)
+            if at >= 0:
+                end = self.buf.find(CRLF, at + 2)
+                if end >= 0:
+                    data = bytes(self.buf[self.pos:at + 2])
+                    self.pos = end + 2
+                    return data
+                scan = at                   # the marker's line is not complete yet
+            else:
+                scan = max(self.pos, len(self.buf) - len(marker))
+            before = self.pos
+            self.fill()
+            scan -= before - self.pos       # fill may have dropped consumed bytes
+
+    def reserved(self, count: int) -> tuple[list[int], list[bytes], list[bytes]]:
+        """Read `count` replies to reserve commands: (job ids, bodies, other reply lines).
+
+        One regex match per reply: this is the source's hot loop.
+        """
+        ids: list[int] = []
+        bodies: list[bytes] = []
+        others: list[bytes] = []
+        match = _RESERVED.match
+        left = count
+        while left:
+            buf = self.buf
+            pos = self.pos
+            m = match(buf, pos)
+            if m is not None:
+                start = m.end()
+                end = start + int(m[2])
+                if end + 2 <= len(buf):
+                    ids.append(int(m[1]))
+                    bodies.append(bytes(buf[start:end]))
+                    self.pos = end + 2
+                    left -= 1
+                    continue
+            else:
+                end = buf.find(CRLF, pos)
+                if end >= 0:                # a complete line that is not a RESERVED header
+                    others.append(bytes(buf[pos:end]))
+                    self.pos = end + 2
+                    left -= 1
+                    continue
+            self.fill()
+        return ids, bodies, others
 
 
 class Connection:
@@ -116,8 +243,7 @@ class Connection:
             raise ConnectionLost("UNREACHABLE", "connect", f"cannot connect to {self.address}: {exc}") from exc
         self._sock = sock
         self._sock.settimeout(timeout)
-        self._buf = bytearray()
-        self._pos = 0
+        self._reader = ReplyReader(sock, self.address)
         if auth_token is not None:
             reply = self.call(f"auth {auth_token}")
             if reply.status != b"OK":
@@ -131,10 +257,10 @@ class Connection:
         except OSError:
             pass
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def settimeout(self, timeout: float | None) -> None:
@@ -147,45 +273,56 @@ class Connection:
         except OSError as exc:
             raise ConnectionLost("SEND_FAILED", data[:40].decode("latin-1"), str(exc)) from exc
 
-    def _fill(self) -> None:
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        try:
-            chunk = self._sock.recv(262144)
-        except socket.timeout as exc:
-            raise ConnectionLost("TIMED_OUT", "read", f"no reply from {self.address}") from exc
-        except OSError as exc:
-            raise ConnectionLost("RECV_FAILED", "read", f"{self.address}: {exc}") from exc
-        if not chunk:
-            raise ConnectionLost("CLOSED", "read", f"{self.address} closed the connection")
-        self._buf += chunk
-
-    def _read_line(self) -> bytes:
-        while True:
-            end = self._buf.find(CRLF, self._pos)
-            if end >= 0:
-                line = bytes(self._buf[self._pos:end])
-                self._pos = end + 2
-                return line
-            self._fill()
-
-    def _read_exact(self, n: int) -> bytes:
-        while len(self._buf) - self._pos < n:
-            self._fill()
-        data = bytes(self._buf[self._pos:self._pos + n])
-        self._pos += n
-        return data
-
     def read_reply(self) -> Reply:
         """Read one reply, with its body when the status carries one."""
-        words = self._read_line().split(b" ")
-        status, args = words[0], tuple(words[1:])
-        body = None
-        if status in _REPLIES_WITH_BODY and args:
-            size = int(args[-1])
-            body = self._read_exact(size + 2)[:-2]
-        return Reply(status, args, body)
+        return self._reader.reply()
+
+    def _windowed(self, commands: Sequence[bytes], window: int, max_bytes: int,
+                  read_one: Callable[[], T]) -> list[T]:
+        """Send pre-encoded commands keeping at most `window` (and about `max_bytes`) unanswered,
+        refilling once half the window is answered; `read_one` reads one reply each.
+
+        On ConnectionLost the replies read so far are on the exception (``.replies``): those
+        commands are known done, the rest are unknown.
+        """
+        out: list[T] = []
+        total = len(commands)
+        sent = 0
+        try:
+            while len(out) < total:
+                if sent < total and sent - len(out) <= window // 2:
+                    upto, size, limit = sent, 0, min(total, len(out) + window)
+                    while upto < limit and (upto == sent or size < max_bytes):
+                        size += len(commands[upto])
+                        upto += 1
+                    self.send(b"".join(commands[sent:upto]))
+                    sent = upto
+                out.append(read_one())
+        except ConnectionLost as exc:
+            exc.replies = list(out)
+            raise
+        return out
+
+    def pipeline_lines(self, commands: Sequence[bytes], window: int = 1024, max_bytes: int = 1 << 20) -> list[bytes]:
+        """Commands whose replies are one line each (put, use, delete, ...): every reply line, in order."""
+        return self._windowed(commands, window, max_bytes, self._reader.line)
+
+    def pipeline_replies(self, commands: Sequence[bytes], chunk: int = 1024) -> list[tuple[bytes, bytes | None]]:
+        """Every reply as ``(status line, body or None)``, in order (reserve-job, peek, stats-job runs)."""
+        return self._windowed(commands, 2 * chunk, 1 << 30, self._reader.raw_reply)
+
+    def pipeline(self, commands: Sequence[bytes], window: int = 512) -> Iterator[Reply]:
+        """Send pre-encoded commands, keeping up to `window` unanswered, and yield replies in order."""
+        sent = 0
+        received = 0
+        total = len(commands)
+        while received < total:
+            if sent < total and sent - received < window:
+                upto = min(total, received + window)
+                self.send(b"".join(commands[sent:upto]))
+                sent = upto
+            yield self._reader.reply()
+            received += 1
 
     def bulk(self, commands: bytes) -> bytes:
         """Send pre-encoded commands and a marker, and return their raw replies (up to the marker's).
@@ -198,69 +335,17 @@ class Connection:
         if not commands:
             return b""
         self.send(commands + _MARKER)
-        scan = self._pos
-        while True:
-            buf = self._buf
-            at = buf.find(_MARKER_REPLY, scan)
-            if at >= 0:
-                end = buf.find(CRLF, at + 2)
-                if end >= 0:
-                    start = self._pos
-                    self._pos = end + 2
-                    return bytes(buf[start:at + 2])
-                scan = at                   # the marker's line is not complete yet
-            else:
-                scan = max(self._pos, len(buf) - len(_MARKER_REPLY))
-            if self._pos > (1 << 20):       # drop what earlier calls consumed, so the buffer stays small
-                scan -= self._pos
-                del buf[:self._pos]
-                self._pos = 0
-            before = self._pos
-            self._fill()
-            if self._pos != before:         # _fill emptied a fully consumed buffer
-                scan = 0
+        return self._reader.until_line_starting(_MARKER_REPLY)
 
     def reserve_many(self, count: int, command: bytes = b"reserve-with-timeout 0\r\n"
                      ) -> tuple[list[int], list[bytes], list[bytes]]:
         """Send `count` reserve commands at once; returns (job ids, bodies, other reply lines).
 
         The other lines are TIMED_OUT / DEADLINE_SOON (or errors), one per command that
-        reserved nothing. One regex match per reply: this is the source's hot loop.
+        reserved nothing.
         """
         self.send(command * count)
-        ids: list[int] = []
-        bodies: list[bytes] = []
-        others: list[bytes] = []
-        match = _RESERVED.match
-        pos = self._pos
-        left = count
-        while left:
-            buf = self._buf
-            m = match(buf, pos)
-            if m is not None:
-                start = m.end()
-                end = start + int(m[2])
-                if end + 2 <= len(buf):
-                    ids.append(int(m[1]))
-                    bodies.append(bytes(buf[start:end]))
-                    pos = end + 2
-                    left -= 1
-                    continue
-            else:
-                end = buf.find(CRLF, pos)
-                if end >= 0:                # a complete line that is not a RESERVED header
-                    others.append(bytes(buf[pos:end]))
-                    pos = end + 2
-                    left -= 1
-                    continue
-            if pos > (1 << 20):
-                del buf[:pos]
-                pos = 0
-            self._pos = pos
-            self._fill()
-            pos = self._pos
-        self._pos = pos
-        return ids, bodies, others
+        return self._reader.reserved(count)
 
     def call(self, line: str | bytes, body: bytes | None = None) -> Reply:
         """Send one command and read its reply."""
@@ -272,19 +357,6 @@ class Connection:
         if reply.status != ok:
             raise BeanstalkError(reply.status.decode("latin-1"), _text(line))
         return reply
-
-    def pipeline(self, commands: Sequence[bytes], window: int = 512) -> Iterator[Reply]:
-        """Send pre-encoded commands, keeping up to `window` unanswered, and yield replies in order."""
-        sent = 0
-        received = 0
-        total = len(commands)
-        while received < total:
-            if sent < total and sent - received < window:
-                upto = min(total, received + window)
-                self.send(b"".join(commands[sent:upto]))
-                sent = upto
-            yield self.read_reply()
-            received += 1
 
     # -- commands ---------------------------------------------------------------------
     def put(self, body: bytes, priority: int = 2**31, delay: int = 0, ttr: int = 120) -> int:
@@ -367,7 +439,7 @@ class Connection:
     def peek_buried(self) -> Job | None:
         return self._peek("peek-buried")
 
-    def _yaml(self, line: str) -> dict | list | None:
+    def _yaml(self, line: str) -> dict[str, Any] | list[str] | None:
         reply = self.call(line)
         if reply.status == b"OK":
             return parse_yaml(reply.body or b"")
@@ -375,13 +447,13 @@ class Connection:
             return None
         raise BeanstalkError(reply.status.decode("latin-1"), line)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return self._yaml("stats")  # type: ignore[return-value]
 
-    def stats_tube(self, tube: str) -> dict | None:
+    def stats_tube(self, tube: str) -> dict[str, Any] | None:
         return self._yaml(f"stats-tube {tube}")  # type: ignore[return-value]
 
-    def stats_job(self, job_id: int) -> dict | None:
+    def stats_job(self, job_id: int) -> dict[str, Any] | None:
         return self._yaml(f"stats-job {job_id}")  # type: ignore[return-value]
 
     def list_tubes(self) -> list[str]:
@@ -430,132 +502,3 @@ def encode_put(body: bytes, priority: int, delay: int, ttr: int) -> bytes:
 
 def _text(line: str | bytes) -> str:
     return line if isinstance(line, str) else line.decode("latin-1")
-
-
-def parse_hosts(spec: str, default_port: int = 11300) -> list[tuple[str, int]]:
-    """'h1:p1,tls://h2' -> [('h1', p1), ('h2', 11300)]; raises ValueError with the bad entry."""
-    hosts = []
-    for raw in spec.split(","):
-        entry = raw.strip()
-        if entry.startswith("tls://"):  # the scheme turns TLS on (see options.Security)
-            entry = entry[6:]
-        if not entry:
-            continue
-        host, sep, port_text = entry.rpartition(":")
-        if not sep:
-            host, port_text = entry, str(default_port)
-        host = host.strip("[]")
-        if not host:
-            raise ValueError(f"bad host entry {entry!r}: empty host name")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(f"bad host entry {entry!r}: port {port_text!r} is not a number") from None
-        if not 0 < port < 65536:
-            raise ValueError(f"bad host entry {entry!r}: port {port} out of range 1-65535")
-        hosts.append((host, port))
-    if not hosts:
-        raise ValueError(f"no hosts in {spec!r}")
-    return hosts
-
-
-# -- appended for the writers (spark_beanstalk/writer.py) -----------------------------------
-def _pipeline_lines(self: Connection, commands: Sequence[bytes], window: int = 1024,
-                    max_bytes: int = 1 << 20) -> list[bytes]:
-    """Send pre-encoded commands whose replies are one line each (put, use, delete, ...).
-
-    Keeps at most `window` commands and about `max_bytes` unanswered, and returns every
-    reply line in order. If the connection fails, the ConnectionLost raised carries
-    ``.replies``: the lines received before the failure (those commands are known done;
-    the rest are unknown).
-    """
-    replies: list[bytes] = []
-    total = len(commands)
-    sent = 0
-    buf = self._buf
-    try:
-        while len(replies) < total:
-            if sent < total and sent - len(replies) < window:
-                upto = sent
-                size = 0
-                limit = min(total, len(replies) + window)
-                while upto < limit and (size < max_bytes or upto == sent):
-                    size += len(commands[upto])
-                    upto += 1
-                self.send(b"".join(commands[sent:upto]))
-                sent = upto
-            # read every complete line available, then fill once more if short
-            want = sent
-            while len(replies) < want:
-                end = buf.find(CRLF, self._pos)
-                if end < 0:
-                    if len(replies) > 0 and sent < total and sent - len(replies) < window // 2:
-                        break  # room to send more before blocking on the socket
-                    self._fill()
-                    buf = self._buf
-                    continue
-                replies.append(bytes(buf[self._pos:end]))
-                self._pos = end + 2
-    except ConnectionLost as exc:
-        exc.replies = replies  # type: ignore[attr-defined]
-        raise
-    return replies
-
-
-Connection.pipeline_lines = _pipeline_lines  # type: ignore[attr-defined]
-
-
-# -- appended for the source (spark_beanstalk/source.py) ------------------------------------
-def _pipeline_replies(self: Connection, commands: Sequence[bytes], chunk: int = 1024) -> list[tuple[bytes, bytes | None]]:
-    """Send pre-encoded commands in chunks (two chunks in flight) and return every reply as
-    ``(status line, body or None)``, in order. Bodies come with RESERVED/FOUND/OK replies.
-
-    The fast path for bulk reserve / reserve-job / stats-job: one ``sendall`` per chunk
-    and no per-reply objects.
-    """
-    out: list[tuple[bytes, bytes | None]] = []
-    total = len(commands)
-    sent = 0
-    # prime: first chunk
-    if total:
-        upto = min(total, chunk)
-        self.send(b"".join(commands[:upto]))
-        sent = upto
-    pos = self._pos
-    while len(out) < total:
-        # keep the server busy: send the next chunk once we are reading the previous one
-        if sent < total and sent - len(out) <= chunk:
-            upto = min(total, sent + chunk)
-            self._pos = pos
-            self.send(b"".join(commands[sent:upto]))
-            sent = upto
-        buf = self._buf
-        end = buf.find(CRLF, pos)
-        if end < 0:
-            if pos > (1 << 20):      # drop what was consumed, so the buffer does not grow without bound
-                del buf[:pos]
-                pos = 0
-            self._pos = pos
-            self._fill()
-            pos = self._pos
-            continue
-        line = bytes(buf[pos:end])
-        status = line[:line.find(b" ")] if b" " in line else line
-        if status in _REPLIES_WITH_BODY and line != status:
-            size = int(line[line.rfind(b" ") + 1:])
-            need = end + 2 + size + 2
-            if len(buf) < need:
-                self._pos = pos
-                self._fill()
-                pos = self._pos
-                continue
-            out.append((line, bytes(buf[end + 2:end + 2 + size])))
-            pos = need
-        else:
-            out.append((line, None))
-            pos = end + 2
-    self._pos = pos
-    return out
-
-
-Connection.pipeline_replies = _pipeline_replies  # type: ignore[attr-defined]

@@ -7,7 +7,14 @@ Options are parsed and validated by ``SourceOptions`` / the writer's options in
 """
 from __future__ import annotations
 
-from pyspark.sql.datasource import DataSource
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+)
 from pyspark.sql.types import StructType
 
 from spark_beanstalk.options import OptionError, SourceOptions
@@ -20,7 +27,7 @@ class BeanstalkDataSource(DataSource):
     def name(cls) -> str:
         return "beanstalk"
 
-    def __init__(self, options) -> None:
+    def __init__(self, options: Any) -> None:
         # Spark hands a case-insensitive mapping; keep a plain, picklable copy.
         super().__init__(options)
         self.options = dict(options or {})
@@ -30,7 +37,7 @@ class BeanstalkDataSource(DataSource):
 
         return SCHEMA
 
-    def streamReader(self, schema: StructType):
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
 
         opts = SourceOptions.parse(self.options)
@@ -40,17 +47,17 @@ class BeanstalkDataSource(DataSource):
                 + "); do not pass .schema(...), select or cast columns downstream instead")
         return BeanstalkStreamReader(opts, SCHEMA)
 
-    def writer(self, schema: StructType, overwrite: bool):
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         from spark_beanstalk.writer import make_batch_writer
 
         return make_batch_writer(self.options, schema, overwrite)
 
-    def streamWriter(self, schema: StructType, overwrite: bool):
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         from spark_beanstalk.writer import make_stream_writer
 
         return make_stream_writer(self.options, schema, overwrite)
 
 
-def register(spark) -> None:
+def register(spark: Any) -> None:
     """Register the "beanstalk" format on a session explicitly (auto-registration needs no call)."""
     spark.dataSource.register(BeanstalkDataSource)

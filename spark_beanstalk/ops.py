@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
+from beanstalk_rules.hosts import parse_host_specs
 from beanstalk_rules.tokens import read_token_text
-from spark_beanstalk.client import (BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_hosts,
-                                    parse_yaml)
+from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
 
 DEFAULT_HOST = "127.0.0.1:11300"
 HOST_ENV = "SPARK_BEANSTALK_HOST"
@@ -107,17 +107,14 @@ def connect(target: "Target | str", timeout: float = 10.0) -> Iterator[Connectio
     """A connection to the target whose failures become one-line operator errors."""
     if isinstance(target, str):
         target = Target(host=target)
-    spec = target.host
-    tls = target.tls
-    if spec.lower().startswith("tls://"):
-        spec, tls = spec[len("tls://"):], True
     try:
-        hosts = parse_hosts(spec)
+        hosts = parse_host_specs(target.host)
     except ValueError as exc:
         raise OpsError(f"bad --host {target.host!r}: {exc}", exit_code=2) from None
     if len(hosts) != 1:
         raise OpsError(f"--host takes one host:port, got {target.host!r}", exit_code=2)
-    address, port = hosts[0]
+    address, port, spec_tls = hosts[0]
+    tls = target.tls or spec_tls
     token = _read_token(target.token_file) if target.token_file else None
     try:
         conn = Connection(address, port, timeout=timeout, connect_timeout=min(timeout, 5.0), tls=tls,

@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from beanstalk_rules.hosts import parse_hosts, uses_tls
 from beanstalk_rules.tokens import read_token_text
 from beanstalk_rules.tubes import tube_name_problem
-from spark_beanstalk.client import parse_hosts
 
 
 class OptionError(ValueError):
@@ -123,7 +123,7 @@ class Security:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Security:
         hosts_spec = str(_lower_keys(options).get("hosts") or "")
-        tls = get_bool(options, "tls", "tls://" in hosts_spec)
+        tls = get_bool(options, "tls", uses_tls(hosts_spec))
         ca_file = get_str(options, "caFile", "") or None
         cert_file = get_str(options, "certFile", "") or None
         key_file = get_str(options, "keyFile", "") or None
@@ -164,14 +164,16 @@ class SourceOptions:
     touch_fraction: float = 0.5              # touch a held job once this fraction of its TTR has passed
     max_reserves: int = 0                    # bury a job reserved more than this many times; 0: never
     replay_wait_seconds: float = 10.0        # on restart, how long to wait for a batch's jobs still held elsewhere
-    socket_timeout: float = 30.0             # seconds without a reply before a broker counts as lost
+    socket_timeout: float = 30.0             # seconds without a reply before a connection counts as lost
+    broker_retry_seconds: float = 300.0      # how long a broker may stay unreachable before the query fails
     prefetch: bool = True                    # reserve the next batch's jobs while the current batch runs
     prefetch_poll_ms: int = 20               # how often the read-ahead polls empty tubes
     security: Security = Security()          # tls, caFile, certFile, keyFile, authTokenFile
 
     KEYS = (
         "hosts", "tubes", "maxJobsPerTrigger", "numPartitions", "reserveTimeout", "jobsPerConnection",
-        "touchFraction", "maxReserves", "replayWaitSeconds", "socketTimeout", "prefetch", "prefetchPollMs",
+        "touchFraction", "maxReserves", "replayWaitSeconds", "socketTimeout", "brokerRetrySeconds", "prefetch",
+        "prefetchPollMs",
     ) + Security.KEYS
 
     @classmethod
@@ -206,6 +208,7 @@ class SourceOptions:
             max_reserves=get_int(options, "maxReserves", 0, minimum=0),
             replay_wait_seconds=get_float(options, "replayWaitSeconds", 10.0, minimum=0.0),
             socket_timeout=socket_timeout,
+            broker_retry_seconds=get_float(options, "brokerRetrySeconds", 300.0, minimum=0.0),
             prefetch=get_bool(options, "prefetch", True),
             prefetch_poll_ms=get_int(options, "prefetchPollMs", 20, minimum=1, maximum=10_000),
             security=Security.parse(options),
@@ -249,7 +252,8 @@ class WriterOptions:
     timeout: float = 30.0                     # socket read timeout, seconds
     connect_timeout: float = 5.0
     retries: int = 2                          # extra rounds when every host is unavailable
-    retry_interval: float = 1.0               # seconds between those rounds
+    retry_interval: float = 1.0               # seconds between those rounds (first backoff step)
+    broker_retry_seconds: float = 180.0       # keep reconnecting this long when every host is down; 0: fail fast
     dedup: bool = True                        # skip a batch id whose completion marker exists
     writer_id: str | None = None              # marker namespace; default: the streaming query id
     marker_retain: int = 1000                 # markers kept per writer id
@@ -258,7 +262,8 @@ class WriterOptions:
 
     KEYS = ("hosts", "tube", "priority", "delay", "ttr", "keyColumn", "distribution",
             "deadLetterPath", "validate", "maxJobSize", "window", "timeout", "connectTimeout",
-            "retries", "retryInterval", "dedup", "writerId", "markerRetain", "arrow") + Security.KEYS
+            "retries", "retryInterval", "brokerRetrySeconds", "dedup", "writerId", "markerRetain",
+            "arrow") + Security.KEYS
 
     @classmethod
     def conf_defaults(cls, conf: Mapping[str, str] | None) -> dict[str, str]:
@@ -312,6 +317,7 @@ class WriterOptions:
             connect_timeout=get_float(o, "connectTimeout", 5.0, 0.001),
             retries=get_int(o, "retries", 2, 0, 1000),
             retry_interval=get_float(o, "retryInterval", 1.0, 0.0),
+            broker_retry_seconds=get_float(o, "brokerRetrySeconds", 180.0, 0.0),
             dedup=get_bool(o, "dedup", True),
             writer_id=get_str(o, "writerId", "") or None,
             marker_retain=get_int(o, "markerRetain", 1000, 1),

@@ -27,8 +27,9 @@ import os
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
 from spark_beanstalk.client import Connection, ConnectionLost
@@ -44,6 +45,7 @@ CONTROL_COLUMNS = ("tube", "priority", "delay", "ttr")
 DEFAULT_MAX_JOB_SIZE = 65535          # beanstalkd's default, used when `stats` does not say
 MARKER_PREFIX = "sbw."
 MARKER_DELAY = 2**31 - 1              # markers are delayed jobs nobody will ever get
+MAX_BACKOFF = 5.0                     # seconds: longest pause between reconnect rounds
 CHUNK_ROWS = 8192                     # rows per chunk for the Row-based writers
 _INT_TYPES = ("byte", "short", "int", "integer", "long", "bigint", "tinyint", "smallint")
 
@@ -66,17 +68,17 @@ class BeanstalkUnavailableError(BeanstalkWriteError):
 class ColumnSpec:
     """Which input columns play which role; picklable, built from a Spark StructType."""
 
-    names: tuple                       # all field names, in order
+    names: tuple[str, ...]             # all field names, in order
     body: str | None                   # the body column's real name, or None: rows as JSON
     tube: str | None
     priority: str | None
     delay: str | None
     ttr: str | None
     key: str | None
-    json_columns: tuple = ()           # columns of the JSON body when there is no body column
+    json_columns: tuple[str, ...] = ()  # columns of the JSON body when there is no body column
 
     @classmethod
-    def from_schema(cls, schema, opts: WriterOptions) -> "ColumnSpec":
+    def from_schema(cls, schema: Any, opts: WriterOptions) -> ColumnSpec:
         fields = {f.name.lower(): f for f in schema.fields}
 
         def role(name: str, allowed: Sequence[str], what: str) -> str | None:
@@ -88,7 +90,7 @@ class ColumnSpec:
                 raise OptionError(
                     f"column {f.name!r} ({what}) must be {' or '.join(sorted(set(allowed)))}, "
                     f"not {f.dataType.simpleString()}")
-            return f.name
+            return str(f.name)
 
         body = role("body", ("string", "binary"), "the job body")
         tube = role("tube", ("string",), "the tube")
@@ -112,16 +114,16 @@ class Chunk:
     """Up to a few thousand rows as Python lists, one per role (None: column absent)."""
 
     n: int
-    bodies: list                       # bytes/str per row (None for null), or JSON-able dicts
+    bodies: list[Any]                  # bytes/str per row (None for null), or JSON-able dicts
     json_rows: bool
-    tubes: list | None = None
-    priorities: list | None = None
-    delays: list | None = None
-    ttrs: list | None = None
-    keys: list | None = None
+    tubes: list[Any] | None = None
+    priorities: list[Any] | None = None
+    delays: list[Any] | None = None
+    ttrs: list[Any] | None = None
+    keys: list[Any] | None = None
 
 
-def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+def _arrow_chunks(batches: Iterable[Any], spec: ColumnSpec) -> Iterator[Chunk]:
     """Arrow RecordBatches -> Chunks (column-wise conversion, the fast path)."""
     import pyarrow as pa
 
@@ -130,7 +132,7 @@ def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
         if n == 0:
             continue
 
-        def col(name):
+        def col(name: str | None, batch: Any = batch) -> Any:
             return None if name is None else batch.column(batch.schema.get_field_index(name))
 
         if spec.body is not None:
@@ -143,28 +145,31 @@ def _arrow_chunks(batches: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
         else:
             bodies, json_rows = batch.select(list(spec.json_columns)).to_pylist(), True
 
-        def pylist(name):
+        def pylist(name: str | None) -> list[Any] | None:
             c = col(name)
-            return None if c is None else c.to_pylist()
+            if c is None:
+                return None
+            values: list[Any] = c.to_pylist()
+            return values
 
         yield Chunk(n, bodies, json_rows, pylist(spec.tube), pylist(spec.priority),
                     pylist(spec.delay), pylist(spec.ttr), pylist(spec.key))
 
 
-def _row_chunks(rows: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
+def _row_chunks(rows: Iterable[Any], spec: ColumnSpec) -> Iterator[Chunk]:
     """Spark Rows -> Chunks (the Row-based writer variants)."""
     idx = {name: i for i, name in enumerate(spec.names)}
-    buf: list = []
+    buf: list[Any] = []
 
-    def flush(buf):
-        def pick(name):
+    def flush(buf: list[Any]) -> Chunk:
+        def pick(name: str | None) -> list[Any] | None:
             if name is None:
                 return None
             i = idx[name]
             return [r[i] for r in buf]
 
         if spec.body is not None:
-            bodies, json_rows = pick(spec.body), False
+            bodies, json_rows = [r[idx[spec.body]] for r in buf], False
         else:
             cols = [(c, idx[c]) for c in spec.json_columns]
             bodies, json_rows = [{c: r[i] for c, i in cols} for r in buf], True
@@ -180,7 +185,7 @@ def _row_chunks(rows: Iterable, spec: ColumnSpec) -> Iterator[Chunk]:
         yield flush(buf)
 
 
-def _json_default(value: Any):
+def _json_default(value: Any) -> Any:
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
@@ -196,7 +201,7 @@ def _json_default(value: Any):
     return str(value)
 
 
-def row_json(row: Mapping) -> bytes:
+def row_json(row: Any) -> bytes:
     """The body of a row without a body column: compact JSON, UTF-8.
 
     Timestamps/dates as ISO 8601 strings, decimals as strings, binary as base64.
@@ -207,7 +212,7 @@ def row_json(row: Mapping) -> bytes:
                       allow_nan=True).encode("utf-8")
 
 
-def _key_bytes(key) -> bytes:
+def _key_bytes(key: Any) -> bytes:
     if key is None:
         return b""
     if isinstance(key, (bytes, bytearray)):
@@ -219,7 +224,7 @@ def _key_bytes(key) -> bytes:
     return str(key).encode("utf-8")
 
 
-def key_host(key, n_hosts: int) -> int:
+def key_host(key: Any, n_hosts: int) -> int:
     """Stable host index for a key: CRC-32 of its UTF-8 text modulo the number of hosts.
 
     The same in every process and run (unlike Python's salted hash()), so one key's jobs
@@ -228,7 +233,7 @@ def key_host(key, n_hosts: int) -> int:
     return zlib.crc32(_key_bytes(key)) % n_hosts
 
 
-def _preview(body) -> str:
+def _preview(body: Any) -> str:
     if body is None:
         return "null"
     data = body if isinstance(body, (bytes, bytearray)) else str(body).encode("utf-8", "replace")
@@ -241,7 +246,7 @@ def _preview(body) -> str:
 # --------------------------------------------------------------------------------------
 # An entry is one row ready to send: (row number in partition, tube, encoded put, preferred
 # host index, key for messages)
-Entry = tuple
+Entry = tuple[int, str, bytes, int, Any]
 
 
 @dataclass
@@ -259,7 +264,7 @@ class RowFailure:
         key = f", {key_column}={self.key!r}" if key_column else ""
         return f"row {self.row} of partition {partition}{key} (body {_preview(self.body)}): {self.reason}"
 
-    def record(self, ctx: Mapping) -> dict:
+    def record(self, ctx: Mapping[str, Any]) -> dict[str, Any]:
         body = self.body
         if isinstance(body, str):
             body = body.encode("utf-8")
@@ -270,13 +275,13 @@ class RowFailure:
         return rec
 
 
-def _describe_failures(failures: list[RowFailure], ctx: Mapping, key_column: str | None,
+def _describe_failures(failures: list[RowFailure], ctx: Mapping[str, Any], key_column: str | None,
                        what: str) -> str:
     part = ctx.get("partition", 0)
     batch = ctx.get("batch_id")
     where = f"batch {batch}, " if batch is not None else ""
-    lines = [f"beanstalk write failed ({where}partition {part}): {len(failures)} row(s) {what}; "
-             f"nothing was dropped silently (set deadLetterPath to put the other rows and keep these aside):"]
+    lines = [(f"beanstalk write failed ({where}partition {part}): {len(failures)} row(s) {what}; "
+             f"nothing was dropped silently (set deadLetterPath to put the other rows and keep these aside):")]
     for f in failures[:10]:
         lines.append("  " + f.describe(part, key_column))
     if len(failures) > 10:
@@ -287,11 +292,11 @@ def _describe_failures(failures: list[RowFailure], ctx: Mapping, key_column: str
 class _DeadLetter:
     """JSON-lines file of refused rows under deadLetterPath (local path or a pyarrow.fs URI)."""
 
-    def __init__(self, path: str, ctx: Mapping) -> None:
+    def __init__(self, path: str, ctx: Mapping[str, Any]) -> None:
         self.path = path
         self.ctx = ctx
         self.count = 0
-        self._stream = None
+        self._stream: Any = None
         self.file: str | None = None
 
     def add(self, failures: Iterable[RowFailure]) -> None:
@@ -337,9 +342,9 @@ class _HostPool:
         self.rounds = 0
 
     def connect(self, h: int) -> Connection | None:
-        conn = self.conns.get(h)
-        if conn is not None:
-            return conn
+        existing = self.conns.get(h)
+        if existing is not None:
+            return existing
         if h in self.down:
             return None
         host, port = self.opts.hosts[h]
@@ -350,7 +355,7 @@ class _HostPool:
         except (ConnectionLost, OSError) as exc:
             self.down[h] = f"cannot connect: {exc.__cause__ or exc}"
             return None
-        except Exception as exc:  # a server that does not answer stats still takes puts
+        except Exception as exc:  # noqa: BLE001 - a server that does not answer stats still takes puts
             log.debug("stats on %s failed: %s", self.addresses[h], exc)
             stats = {}
         size = stats.get("max-job-size") if isinstance(stats, dict) else None
@@ -386,7 +391,7 @@ class _HostPool:
 class PartitionWriter:
     """Validates then puts the rows of one partition. Returns a summary dict."""
 
-    def __init__(self, spec: ColumnSpec, opts: WriterOptions, ctx: Mapping) -> None:
+    def __init__(self, spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any]) -> None:
         self.spec = spec
         self.opts = opts
         self.ctx = dict(ctx)
@@ -401,6 +406,7 @@ class PartitionWriter:
         self.failures: list[RowFailure] = []      # refused at send time
         self._resync: list[Entry] = []            # rows to send again after a desynchronised reply stream
         self.resyncs = 0
+        self.outage_since: float | None = None    # monotonic time every broker was first found down
 
     # -- phase 1: validate and encode every row of the partition -------------------------
     def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
@@ -464,16 +470,7 @@ class PartitionWriter:
     def _reassign(self, entries: list[Entry], pending: dict[int, list[Entry]]) -> None:
         alive = self.pool.alive()
         if not alive:
-            if self.pool.rounds >= self.opts.retries:
-                raise BeanstalkUnavailableError(
-                    f"beanstalk write failed (partition {self.partition}"
-                    + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
-                    + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s): "
-                    f"{self.pool.unavailable_message()}. {self.put} row(s) of this partition were put, "
-                    f"{len(entries) + sum(len(v) for v in pending.values())} were not.")
-            self.pool.rounds += 1
-            time.sleep(self.opts.retry_interval)
-            self.pool.down.clear()
+            self._wait_for_brokers(len(entries) + sum(len(v) for v in pending.values()))
             alive = list(range(self.n_hosts))
         self.failovers += len(entries)
         alive_set = set(alive)
@@ -489,6 +486,34 @@ class PartitionWriter:
             for j, e in enumerate(entries):
                 pending.setdefault(alive[j % len(alive)], []).append(e)
 
+    def _wait_for_brokers(self, unsent: int) -> None:
+        """Every broker is down: wait with backoff and let them all be tried again.
+
+        Gives up (BeanstalkUnavailableError naming each broker) after `retries` rounds
+        once `brokerRetrySeconds` have passed since the outage began, so a broker
+        restart is ridden through and a broker that stays down fails the task.
+        """
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+        elapsed = now - self.outage_since
+        bound = self.opts.broker_retry_seconds
+        if self.pool.rounds >= self.opts.retries and elapsed >= bound:
+            raise BeanstalkUnavailableError(
+                f"beanstalk write failed (partition {self.partition}"
+                + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
+                + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s) over {elapsed:.0f}s "
+                f"(brokerRetrySeconds={bound:g}): {self.pool.unavailable_message()}. "
+                f"{self.put} row(s) of this partition were put, {unsent} were not.")
+        step = self.opts.retry_interval * (2 ** min(self.pool.rounds, 6))
+        pause = min(max(step, 0.05), MAX_BACKOFF, max(bound - elapsed, self.opts.retry_interval))
+        if self.pool.rounds == 0 or self.pool.rounds % 10 == 0:
+            log.warning("beanstalk writer (partition %s): every broker is down (%s); retrying for up to %gs",
+                        self.partition, self.pool.unavailable_message(), bound)
+        self.pool.rounds += 1
+        time.sleep(pause)
+        self.pool.down.clear()
+
     def send(self, by_host: list[list[Entry]]) -> None:
         pending: dict[int, list[Entry]] = {h: rows for h, rows in enumerate(by_host) if rows}
         while pending:
@@ -500,6 +525,7 @@ class PartitionWriter:
             if conn is None:
                 self._reassign(entries, pending)
                 continue
+            self.outage_since = None
             retry = self._send_to(h, conn, entries)
             if self._resync:
                 # the reply stream went out of step: the rows after the refused put are
@@ -517,7 +543,7 @@ class PartitionWriter:
     def _send_to(self, h: int, conn: Connection, entries: list[Entry]) -> list[Entry]:
         entries.sort(key=lambda e: e[1])           # stable: row order kept within a tube
         cmds: list[bytes] = []
-        owners: list = []
+        owners: list[Entry | str] = []
         cur = self.pool.used.get(h, "default")
         for e in entries:
             if e[1] != cur:
@@ -528,7 +554,8 @@ class PartitionWriter:
             owners.append(e)
         lost = None
         try:
-            replies = conn.pipeline_lines(cmds, window=self.opts.window)
+            replies = conn.pipeline_lines(
+                cmds, window=self.opts.window)
         except ConnectionLost as exc:
             replies = getattr(exc, "replies", [])
             lost = f"connection lost: {exc}"
@@ -552,7 +579,7 @@ class PartitionWriter:
                 else:
                     bad_use = f"{address} refused 'use {owner}': {line.decode('latin-1')}"
                 continue
-            if line.startswith(b"INSERTED") or line.startswith(b"BURIED"):
+            if line.startswith((b"INSERTED", b"BURIED")):
                 if bad_use is not None:
                     wrong_tube_ids.append(int(line.split()[1]))
                     self.failures.append(self._failure(owner, bad_use))
@@ -581,7 +608,8 @@ class PartitionWriter:
         if wrong_tube_ids and h in self.pool.conns:
             # undo jobs that landed in the previously used tube
             try:
-                conn.pipeline_lines([b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
+                conn.pipeline_lines(
+                    [b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
             except ConnectionLost:
                 pass
         if draining:
@@ -599,7 +627,7 @@ class PartitionWriter:
         return RowFailure(entry[0], reason, cmd[head_end + 2:-2], entry[1], int(pri), int(delay), int(ttr), entry[4])
 
     # -- the whole partition ------------------------------------------------------------
-    def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict:
+    def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict[str, Any]:
         opts = self.opts
         try:
             # connect to every broker first: their max-job-size bounds validation
@@ -630,22 +658,27 @@ class PartitionWriter:
         finally:
             self.pool.close()
 
-    def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict:
+    def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict[str, Any]:
         return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
                 "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
+                "reconnect_rounds": self.pool.rounds,
                 "hosts": self.per_host, "tubes": self.per_tube, "skipped": False,
                 "dead_letter_files": [dead_file] if dead_file else []}
 
 
-def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions, ctx: Mapping,
-                  dry_run: bool = False) -> dict:
+def put_partition(chunks: Iterable[Chunk], spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any],
+                  dry_run: bool = False) -> dict[str, Any]:
     """Validate and put one partition's rows; raises BeanstalkWriteError naming bad rows."""
     return PartitionWriter(spec, opts, ctx).run(chunks, dry_run)
 
 
 # --------------------------------------------------------------------------------------
-# Batch markers: a completed batch id is recorded in the brokers themselves
+# Batch markers: the last completed batch id, kept in the brokers themselves
 # --------------------------------------------------------------------------------------
+# A streaming query completes its micro-batches in order (batch N+1 starts only after N
+# is committed), and on restart Spark re-runs only the last planned, uncommitted batch.
+# So "batch N is complete" is "N <= the last completed batch id": one marker job per
+# writer namespace, in one tube, replaced at every batch, is enough.
 def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str:
     """Marker namespace: the writerId option as given, else the query id plus a digest of the target."""
     if explicit:
@@ -658,53 +691,100 @@ def marker_namespace(writer_id: str, opts: WriterOptions, explicit: bool) -> str
     return base
 
 
-def marker_tube(namespace: str, batch_id: int) -> str:
+def marker_tube(namespace: str) -> str:
+    """The one tube holding a namespace's marker job."""
+    return f"{MARKER_PREFIX}{namespace}"
+
+
+def legacy_marker_tube(namespace: str, batch_id: int) -> str:
+    """Where versions up to 0.1 kept one marker per batch (still honoured, and cleaned up)."""
     return f"{MARKER_PREFIX}{namespace}.{batch_id}"
 
 
+def _connect(opts: WriterOptions, host: str, port: int) -> Connection:
+    return Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
+                      **opts.security.connect_kwargs())
+
+
+def _last_completed(conn: Connection, namespace: str) -> int | None:
+    """The batch id of the marker in the namespace's tube on this broker, or None."""
+    conn.use(marker_tube(namespace))
+    job = conn.peek_delayed() or conn.peek_ready() or conn.peek_buried()
+    if job is None:
+        return None
+    try:
+        return int(json.loads(job.body)["batch_id"])
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed marker job %s in %s", job.id, marker_tube(namespace))
+        return None
+
+
+def _holds_legacy_marker(conn: Connection, namespace: str, batch_id: int) -> bool:
+    st = conn.stats_tube(legacy_marker_tube(namespace, batch_id)) or {}
+    return sum(int(st.get(k, 0) or 0) for k in
+               ("current-jobs-delayed", "current-jobs-ready", "current-jobs-buried")) > 0
+
+
 def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
-    """The address of a broker holding the completion marker of this batch, or None."""
-    tube = marker_tube(namespace, batch_id)
+    """The address of a broker on which this batch is recorded as completed, or None.
+
+    Completed: at most ``markerRetain`` batches behind the last completed batch id.
+    """
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
-                            **opts.security.connect_kwargs()) as conn:
-                st = conn.stats_tube(tube)
+            with _connect(opts, host, port) as conn:
+                last = _last_completed(conn, namespace)
+                if last is not None and last - opts.marker_retain < batch_id <= last:
+                    return f"{host}:{port}"
+                if _holds_legacy_marker(conn, namespace, batch_id):
+                    return f"{host}:{port}"
         except (ConnectionLost, OSError):
             continue
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed check only weakens replay detection
             log.warning("marker check on %s:%s failed: %s", host, port, exc)
-            continue
-        if st and int(st.get("current-jobs-delayed", 0) or 0) + int(st.get("current-jobs-ready", 0) or 0) + \
-                int(st.get("current-jobs-buried", 0) or 0) > 0:
-            return f"{host}:{port}"
     return None
 
 
-def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Mapping) -> int:
-    """Record batch completion on every reachable broker; drop the marker `markerRetain` batches back.
+def _delete_all(conn: Connection, tube: str, keep: int | None = None) -> int:
+    """Delete the jobs of a tube (but `keep`); markers are never reserved, so peek finds them all."""
+    conn.use(tube)
+    deleted = 0
+    for peek in (conn.peek_delayed, conn.peek_ready, conn.peek_buried):
+        while True:
+            job = peek()
+            if job is None or job.id == keep or not conn.delete(job.id):
+                break
+            deleted += 1
+    return deleted
 
+
+def _drop_legacy_markers(conn: Connection, namespace: str) -> None:
+    prefix = marker_tube(namespace) + "."
+    for tube in conn.list_tubes():
+        if tube.startswith(prefix) and tube[len(prefix):].isdigit():
+            _delete_all(conn, tube)
+
+
+def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Mapping[str, Any]) -> int:
+    """Record batch completion on every reachable broker, replacing the namespace's previous marker.
+
+    The new marker is put before the old one is deleted, so a crash in between leaves
+    two (the older one is read first: at worst the batch is put again, never lost).
     Returns how many brokers hold the marker. Failing to write it only weakens replay
     detection (the batch itself is complete), so this logs instead of raising.
     """
-    tube = marker_tube(namespace, batch_id)
-    old = marker_tube(namespace, batch_id - opts.marker_retain) if batch_id >= opts.marker_retain else None
+    tube = marker_tube(namespace)
     body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
     written = 0
     for host, port in opts.hosts:
         try:
-            with Connection(host, port, timeout=opts.timeout, connect_timeout=opts.connect_timeout,
-                            **opts.security.connect_kwargs()) as conn:
+            with _connect(opts, host, port) as conn:
                 conn.use(tube)
-                conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+                new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
                 written += 1
-                if old:
-                    conn.use(old)
-                    while True:
-                        job = conn.peek_delayed()
-                        if job is None or not conn.delete(job.id):
-                            break
-        except Exception as exc:
+                _delete_all(conn, tube, keep=new_id)
+                _drop_legacy_markers(conn, namespace)
+        except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
             log.warning("could not write batch marker %s on %s:%s: %s", tube, host, port, exc)
     if not written:
         log.warning("batch %s was put but no broker took its completion marker; a replay would put it again",
@@ -725,15 +805,16 @@ class WriteSummary:
     buried: int = 0
     dead_lettered: int = 0
     failovers: int = 0
+    reconnect_rounds: int = 0         # waits for a broker to come back (every broker was down)
     partitions: int = 0
     skipped: bool = False
     skipped_reason: str | None = None
-    hosts: dict = field(default_factory=dict)
-    tubes: dict = field(default_factory=dict)
-    dead_letter_files: list = field(default_factory=list)
+    hosts: dict[str, int] = field(default_factory=dict)
+    tubes: dict[str, int] = field(default_factory=dict)
+    dead_letter_files: list[str] = field(default_factory=list)
 
     @classmethod
-    def combine(cls, parts: Iterable[Mapping], batch_id: int | None = None) -> "WriteSummary":
+    def combine(cls, parts: Iterable[Mapping[str, Any] | None], batch_id: int | None = None) -> WriteSummary:
         s = cls(batch_id=batch_id)
         for p in parts:
             if p is None:
@@ -744,6 +825,7 @@ class WriteSummary:
             s.buried += p.get("buried", 0)
             s.dead_lettered += p.get("dead_lettered", 0)
             s.failovers += p.get("failovers", 0)
+            s.reconnect_rounds += p.get("reconnect_rounds", 0)
             for k, v in (p.get("hosts") or {}).items():
                 s.hosts[k] = s.hosts.get(k, 0) + v
             for k, v in (p.get("tubes") or {}).items():
@@ -757,16 +839,43 @@ class WriteSummary:
 # --------------------------------------------------------------------------------------
 # foreachBatch: beanstalk_put
 # --------------------------------------------------------------------------------------
-def _spark_conf(spark) -> dict:
+def _spark_conf(spark: Any) -> dict[str, str]:
+    """The session's conf; works on classic and Spark Connect sessions (no SparkContext there)."""
     try:
         conf = spark.conf.getAll
         return dict(conf() if callable(conf) else conf)
-    except Exception:
-        return dict(spark.sparkContext.getConf().getAll())
+    except Exception as exc:  # noqa: BLE001 - any failure: fall back to the SparkContext
+        log.debug("spark.conf.getAll failed (%s); using the SparkContext's conf", exc)
+    if _is_connect(spark):
+        return {}
+    return dict(spark.sparkContext.getConf().getAll())
 
 
-def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping, dry_run: bool):
-    def put_arrow_partition(batches):
+def _is_connect(spark: Any) -> bool:
+    """A Spark Connect session has no SparkContext (touching it raises JVM_ATTRIBUTE_NOT_SUPPORTED)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _streaming_query_id(spark: Any) -> str | None:
+    """The id of the streaming query running this foreachBatch call, when Spark exposes it.
+
+    Classic sessions carry it as the ``sql.streaming.queryId`` local property (stable
+    across restarts from the same checkpoint). Spark Connect (4.3) passes the
+    foreachBatch function only the DataFrame and the batch id, with no way to reach the
+    query, so there the writerId option is the identity.
+    """
+    if _is_connect(spark):
+        return None
+    try:
+        value = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+    except Exception as exc:  # noqa: BLE001 - no id is a normal case, not an error
+        log.debug("no local property sql.streaming.queryId: %s", exc)
+        return None
+    return str(value) if value else None
+
+
+def _mapper(spec: ColumnSpec, opts: WriterOptions, ctx: Mapping[str, Any], dry_run: bool) -> Any:
+    def put_arrow_partition(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
         from pyspark import TaskContext
 
@@ -792,40 +901,46 @@ class BeanstalkPut:
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self._options = {str(k): _option_text(v) for k, v in (options or {}).items()}
         self.last_summary: WriteSummary | None = None
+        self._warned_no_identity = False
 
-    def options(self, **options: Any) -> "BeanstalkPut":
+    def options(self, **options: Any) -> BeanstalkPut:
         merged = dict(self._options)
         merged.update({k: _option_text(v) for k, v in options.items()})
         WriterOptions.parse(merged)            # fail fast on a typo or a bad value
         return BeanstalkPut(merged)
 
-    def option(self, key: str, value: Any) -> "BeanstalkPut":
+    def option(self, key: str, value: Any) -> BeanstalkPut:
         return self.options(**{key: value})
 
     def __repr__(self) -> str:
         return f"beanstalk_put.options({', '.join(f'{k}={v!r}' for k, v in self._options.items())})"
 
-    def write(self, df) -> WriteSummary:
+    def write(self, df: Any) -> WriteSummary:
         """Put a (batch) DataFrame once; no batch id, so no replay detection."""
         return self(df, None)
 
-    def __call__(self, df, batch_id: int | None = None) -> WriteSummary:
+    def __call__(self, df: Any, batch_id: int | None = None) -> WriteSummary:
         spark = df.sparkSession
         opts = WriterOptions.parse(self._options, _spark_conf(spark))
         spec = ColumnSpec.from_schema(df.schema, opts)
         namespace = None
         if batch_id is not None and opts.dedup:
-            writer_id = opts.writer_id or spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+            writer_id = opts.writer_id or _streaming_query_id(spark)
             if writer_id:
                 namespace = marker_namespace(writer_id, opts, explicit=bool(opts.writer_id))
                 holder = marker_exists(opts, namespace, batch_id)
                 if holder:
-                    log.warning("beanstalk_put: batch %s already completed (marker %s on %s); not putting it again",
-                                batch_id, marker_tube(namespace, batch_id), holder)
+                    log.warning("beanstalk_put: batch %s already completed (marker in %s on %s); not putting it again",
+                                batch_id, marker_tube(namespace), holder)
                     summary = WriteSummary(batch_id=batch_id, skipped=True,
-                                           skipped_reason=f"marker {marker_tube(namespace, batch_id)} on {holder}")
+                                           skipped_reason=f"marker in {marker_tube(namespace)} on {holder}")
                     self.last_summary = summary
                     return summary
+            elif not self._warned_no_identity:
+                self._warned_no_identity = True
+                log.warning("beanstalk_put: no streaming query id is visible here (Spark Connect runs "
+                            "foreachBatch in a server-side session); batch replay detection is off "
+                            "unless you give the writerId option")
         ctx = {"batch_id": batch_id}
         cached = False
         try:
@@ -841,7 +956,7 @@ class BeanstalkPut:
             if cached:
                 df.unpersist()
         summary = WriteSummary.combine((json.loads(r[0]) for r in rows), batch_id)
-        if namespace is not None:
+        if namespace is not None and batch_id is not None:
             write_marker(opts, namespace, batch_id, {"put": summary.put})
         self.last_summary = summary
         return summary
@@ -877,7 +992,7 @@ beanstalk_put = BeanstalkPut()
 # --------------------------------------------------------------------------------------
 # Python Data Source writers (called by spark_beanstalk/datasource.py)
 # --------------------------------------------------------------------------------------
-from pyspark.sql.datasource import (  # noqa: E402  (pyspark only needed from here on)
+from pyspark.sql.datasource import (
     DataSourceArrowWriter,
     DataSourceStreamArrowWriter,
     DataSourceStreamWriter,
@@ -888,9 +1003,13 @@ from pyspark.sql.datasource import (  # noqa: E402  (pyspark only needed from he
 
 @dataclass
 class BeanstalkCommitMessage(WriterCommitMessage):
-    summary: dict
+    summary: dict[str, Any]
     writer_id: str | None = None
     batch_id: int | None = None
+
+
+def _ours(messages: list[WriterCommitMessage | None]) -> list[BeanstalkCommitMessage]:
+    return [m for m in messages if isinstance(m, BeanstalkCommitMessage)]
 
 
 def _task_context() -> tuple[int, str | None, int | None]:
@@ -913,12 +1032,12 @@ class _BatchWriterBase:
         summary = put_partition(chunks, self.spec, self.opts, {"partition": partition})
         return BeanstalkCommitMessage(summary)
 
-    def commit(self, messages) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.info("beanstalk write committed: %s rows put, %s dead-lettered", s.put, s.dead_lettered)
 
-    def abort(self, messages) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.warning("beanstalk write aborted: %s rows had been put by the partitions that succeeded "
                     "(puts cannot be taken back)", s.put)
 
@@ -926,14 +1045,14 @@ class _BatchWriterBase:
 class BeanstalkArrowWriter(_BatchWriterBase, DataSourceArrowWriter):
     """``df.write.format("beanstalk")``: Arrow batches in (the faster variant)."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(_arrow_chunks(iterator, self.spec))
 
 
 class BeanstalkRowWriter(_BatchWriterBase, DataSourceWriter):
     """``df.write.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(_row_chunks(iterator, self.spec))
 
 
@@ -948,7 +1067,7 @@ class _StreamWriterBase:
         wid = self.opts.writer_id or query_id
         return marker_namespace(wid, self.opts, explicit=bool(self.opts.writer_id)) if wid else None
 
-    def _write(self, make_chunks) -> BeanstalkCommitMessage:
+    def _write(self, make_chunks: Callable[[], Iterator[Chunk]]) -> BeanstalkCommitMessage:
         partition, query_id, batch_id = _task_context()
         namespace = self._namespace(query_id)
         if namespace is not None and batch_id is not None:
@@ -960,8 +1079,8 @@ class _StreamWriterBase:
         summary = put_partition(make_chunks(), self.spec, self.opts, {"partition": partition, "batch_id": batch_id})
         return BeanstalkCommitMessage(summary, query_id, batch_id)
 
-    def commit(self, messages, batchId) -> None:
-        msgs = [m for m in messages if m is not None]
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        msgs = _ours(messages)
         s = WriteSummary.combine((m.summary for m in msgs), batchId)
         query_id = next((m.writer_id for m in msgs if m.writer_id), None)
         namespace = self._namespace(query_id)
@@ -969,8 +1088,8 @@ class _StreamWriterBase:
             write_marker(self.opts, namespace, batchId, {"put": s.put})
         log.info("beanstalk sink batch %s committed: %s rows put", batchId, s.put)
 
-    def abort(self, messages, batchId) -> None:
-        s = WriteSummary.combine(m.summary for m in messages if m is not None)
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        s = WriteSummary.combine(m.summary for m in _ours(messages))
         log.warning("beanstalk sink batch %s aborted: %s rows had been put by the partitions that succeeded; "
                     "Spark will run the batch again (at-least-once)", batchId, s.put)
 
@@ -978,32 +1097,32 @@ class _StreamWriterBase:
 class BeanstalkStreamArrowWriter(_StreamWriterBase, DataSourceStreamArrowWriter):
     """``df.writeStream.format("beanstalk")``: Arrow batches in (the faster variant)."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(lambda: _arrow_chunks(iterator, self.spec))
 
 
 class BeanstalkStreamRowWriter(_StreamWriterBase, DataSourceStreamWriter):
     """``df.writeStream.format("beanstalk").option("arrow", "false")``: Spark Rows in."""
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> BeanstalkCommitMessage:
         return self._write(lambda: _row_chunks(iterator, self.spec))
 
 
-def make_batch_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceWriter:
+def make_batch_writer(options: Mapping[str, str], schema: Any, overwrite: bool) -> DataSourceWriter:
     """The writer for ``df.write.format("beanstalk")``; ``overwrite`` is ignored (tubes are appended to)."""
     opts = WriterOptions.parse(options, _active_conf())
     spec = ColumnSpec.from_schema(schema, opts)
     return (BeanstalkArrowWriter if opts.arrow else BeanstalkRowWriter)(opts, spec)
 
 
-def make_stream_writer(options: Mapping[str, str], schema, overwrite: bool) -> DataSourceStreamWriter:
+def make_stream_writer(options: Mapping[str, str], schema: Any, overwrite: bool) -> DataSourceStreamWriter:
     """The writer for ``df.writeStream.format("beanstalk")``."""
     opts = WriterOptions.parse(options, _active_conf())
     spec = ColumnSpec.from_schema(schema, opts)
     return (BeanstalkStreamArrowWriter if opts.arrow else BeanstalkStreamRowWriter)(opts, spec)
 
 
-def _active_conf() -> dict:
+def _active_conf() -> dict[str, str]:
     """``spark.beanstalk.*`` defaults, when a SparkSession is reachable from this process.
 
     The data source's writer() runs in a Python worker with no SparkSession; there Spark
@@ -1014,5 +1133,5 @@ def _active_conf() -> dict:
 
         spark = SparkSession.getActiveSession()
         return _spark_conf(spark) if spark is not None else {}
-    except Exception:
+    except Exception:  # noqa: BLE001 - no session reachable: options and defaults only
         return {}

@@ -9,6 +9,13 @@ from spark_beanstalk.embedded import ServerProcess, beanstalkd_process, broker_p
 SERVER_KINDS = ("ours", "beanstalkd")
 
 
+def pytest_report_header(config) -> str:
+    """Which broker core the tests run: compiled (mypyc) or interpreted (SPARK_BEANSTALK_PURE=1)."""
+    from broker import _build
+
+    return f"broker core: {_build.describe()}"
+
+
 def _start(kind: str, extra_args=()) -> ServerProcess:
     factory = broker_process if kind == "ours" else beanstalkd_process
     return factory(extra_args=list(extra_args)).start()

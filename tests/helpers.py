@@ -1,4 +1,4 @@
-"""The one home of test helpers: waiting, free ports, server processes.
+"""The one home of test helpers: waiting, free ports, server processes, a TCP proxy for network faults.
 
 Tests import from here (`from tests.helpers import wait_until`); the implementations live
 in `spark_beanstalk.embedded` so that jobs/ and bench/ share them too.
@@ -27,83 +27,118 @@ __all__ = [
     "ServerProcess",
     "TcpProxy",
     "beanstalkd_process",
+    "drain_tube",
     "broker_process",
     "etcd_process",
     "free_port",
     "member_process",
     "start_server",
+    "tube_jobs",
     "wait_for_port",
     "wait_until",
 ]
 
 
 class TcpProxy:
-    """A TCP forwarder on a free loopback port that a test can cut (a network partition).
+    """A TCP forwarder on 127.0.0.1:<free port> to `target`, for network-fault tests.
 
-    ``cut()`` closes every forwarded connection and refuses new ones until ``restore()``.
-    Threads, not asyncio: it runs beside processes the test drives synchronously.
+    ``cut_all()`` drops every connection it carries at once (both sides see the close), as a
+    network fault would, and keeps accepting; ``cut()`` also refuses new connections until
+    ``restore()`` (a partition). Threads, not asyncio: it runs beside processes the test
+    drives synchronously.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.host, self.port = "127.0.0.1", self._listener.getsockname()[1]
         self.open = True
+        self.cuts = 0
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._stopped = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._closed = False
+        threading.Thread(target=self._accept, name="tcp-proxy", daemon=True).start()
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def _accept(self) -> None:
-        while not self._stopped:
+        while not self._closed:
             try:
-                client, _ = self.listener.accept()
+                client, _ = self._listener.accept()
             except OSError:
                 return
             if not self.open:
                 client.close()
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=2)
+                upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)  # idle connections stay up until cut
             with self._lock:
                 self._socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
-            while True:
-                data = src.recv(65536)
-                if not data or not self.open:
-                    break
+            while self.open and (data := src.recv(65536)):
                 dst.sendall(data)
         except OSError:
             pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.close()
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
-    def cut(self) -> None:
-        self.open = False
+    def cut_all(self) -> int:
+        """Drop every connection now and keep accepting; returns how many there were."""
         with self._lock:
             socks, self._socks = self._socks, []
-        for s in socks:
+        for sock in socks:
             with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.cuts += 1
+        return len(socks) // 2
+
+    def cut(self) -> None:
+        """A partition: drop every connection and refuse new ones until restore()."""
+        self.open = False
+        self.cut_all()
 
     def restore(self) -> None:
         self.open = True
 
     def close(self) -> None:
-        self._stopped = True
+        self._closed = True
+        self._listener.close()
         self.cut()
-        self.listener.close()
+
+
+
+def drain_tube(proc: ServerProcess, tube: str) -> list[bytes]:
+    """Reserve and delete every ready job of `tube`; returns their bodies (pipelined: 100k jobs in a second or two)."""
+    from spark_beanstalk.client import Connection
+
+    out: list[bytes] = []
+    with Connection(proc.host, proc.port, timeout=30) as conn:
+        conn.watch_only([tube])
+        while True:
+            ids, bodies, _ = conn.reserve_many(1000)
+            if not ids:
+                return out
+            out.extend(bodies)
+            for reply in conn.pipeline([b"delete %d\r\n" % i for i in ids]):
+                assert reply.status == b"DELETED", reply
+
+
+def tube_jobs(proc: ServerProcess, tube: str) -> dict[str, int]:
+    """The tube's current ready/reserved/delayed/buried counts (all 0 for a tube that does not exist)."""
+    from spark_beanstalk.client import Connection
+
+    with Connection(proc.host, proc.port, timeout=10) as conn:
+        st = conn.stats_tube(tube) or {}
+    return {k: int(st.get(f"current-jobs-{k}", 0)) for k in ("ready", "reserved", "delayed", "buried")}

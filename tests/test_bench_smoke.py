@@ -1,6 +1,7 @@
 """Keep the benchmark from rotting: build the C load generator, run it for a moment
 against real beanstalkd 1.12, and check its JSON.  Also runs broker_bench.py once on
-a single tiny row.  Takes a few seconds."""
+a single tiny row with all four servers (beanstalkd, ours, ours-pure, the Python floor)
+and checks the floor lookup fails clearly.  Takes a few seconds."""
 from __future__ import annotations
 
 import importlib.util
@@ -67,13 +68,34 @@ def test_loadgen_fill_then_drain(loadgen):
     assert drain["errors"] == 0 and drain["conn_errors"] == 0
 
 
+def _floor_available() -> bool:
+    return any(p.is_file() for p in _bench_module().servers.floor_candidates())
+
+
+@pytest.mark.skipif(not _floor_available(), reason="shared/tools/python_floor.py is not beside the repository")
 def test_broker_bench_script_one_row(tmp_path):
     out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--servers", "beanstalkd",
-                          "--workloads", "cycle", "--conns", "1", "--depths", "1", "--seconds", "0.5",
-                          "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--pure",
+                          "--servers", "beanstalkd,ours,floor", "--workloads", "cycle", "--conns", "1", "--depths", "1",
+                          "--seconds", "0.5", "--out", str(out)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "| cycle | 1 | 1 | yes |" in res.stdout
+    assert "ours/bs" in res.stdout and "ours/floor" in res.stdout and "ours-pure/floor" in res.stdout
     data = json.loads(out.read_text())
     (row,) = data["rows"]
-    assert row["servers"]["beanstalkd"]["ops_per_s"] > 1000
+    for kind in ("beanstalkd", "ours", "ours-pure", "floor"):
+        assert row["servers"][kind]["ops_per_s"] > 200, (kind, row["servers"][kind])  # > 100 commands
+        assert row["servers"][kind]["errors"] == 0, kind
+    assert 0 < row["ratios"]["ours/floor"] < 10 and 0 < row["ratios"]["ours-pure/beanstalkd"] < 10
+    assert data["meta"]["machine"]["cpu_model"] and data["meta"]["machine"]["python"].startswith("CPython")
+    assert data["meta"]["builds"]["ours-pure"].startswith("interpreted")
+    assert "load average" in res.stdout
+
+
+def test_broker_bench_floor_missing_is_a_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--servers", "floor",
+                          "--floor", str(tmp_path / "nowhere.py"), "--workloads", "put", "--conns", "1",
+                          "--depths", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 2
+    assert "python_floor.py) was not found" in res.stderr and "nowhere.py" in res.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -353,6 +354,11 @@ def test_demo_command(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    # a quiet run: no log4j WARN line (e.g. "DataSourceManager: The data source beanstalk replaced a
+    # statically registered data source" before every micro-batch) and no Python warning
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if re.search(r"\bWARN\b|Warning: ", line)]
+    assert not noisy, noisy
     summary = json.loads(proc.stdout[proc.stdout.index("\n{\n") + 1:])
     assert summary["events"] == 3000 and summary["dead_letters"] == 12
     assert summary["tube_left"]["ready"] == 0

@@ -15,15 +15,14 @@ import time
 import pytest
 
 from spark_beanstalk.client import Connection, encode_put
+from spark_beanstalk.offsets import decode_ranges, encode_ranges, make_offset
 from spark_beanstalk.options import OptionError, SourceOptions
-from spark_beanstalk.source import decode_ranges, encode_ranges, make_offset
 from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.spark
 
 chispa = pytest.importorskip("chispa")
 from chispa import assert_df_equality  # noqa: E402
-
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -111,7 +110,7 @@ def test_options_validation_messages():
 def test_bulk_reserve_and_stats_parsing(server, conn_factory):
     """The source's batched protocol paths: reserve_many, stats_jobs (regex fast path and the
     one-by-one fallback when a job vanished), failed_commands, over replies larger than one recv."""
-    from spark_beanstalk.source import delete_jobs, failed_commands, stats_jobs
+    from spark_beanstalk.source_wire import delete_jobs, failed_commands, stats_jobs
 
     conn = conn_factory(server)
     bodies = [b"\r\nUSING x\r\n" + bytes([i % 256]) * (3000 + i) for i in range(300)]   # marker-like bytes too
@@ -189,9 +188,9 @@ def test_exactly_once_across_tubes_and_brokers(spark, server, server_factory, co
                         return False
             return True
 
-        wait_until(drained, 90, "all watched tubes to be empty (jobs deleted after commit)", 0.25)
+        wait_until(drained, 90, interval=0.25, what="all watched tubes to be empty (jobs deleted after commit)")
         report = wait_until(lambda: (r := source_report(query)).get("deleted") == len(expected) and r, 20,
-                            "progress to report every job deleted")
+                            what="progress to report every job deleted")
     finally:
         query.stop()
 
@@ -248,7 +247,7 @@ def test_reserved_until_commit_touched_past_ttr_stop_and_replay(spark, server, c
 
     query = start(first)
     try:
-        wait_until(lambda: tube_counts(conn, "slow")["reserved"] == n, 60, "the batch to reserve every job")
+        wait_until(lambda: tube_counts(conn, "slow")["reserved"] == n, 60, what="the batch to reserve every job")
         reserved_at = time.monotonic()
         assert all(job_state(conn, i)["state"] == "reserved" for i in ids), "jobs must not be deleted before commit"
         # The batch is now blocked in the UDF. Keep it running past 3x the TTR.
@@ -263,14 +262,14 @@ def test_reserved_until_commit_touched_past_ttr_stop_and_replay(spark, server, c
     assert first.rows() == []
     # Stopped between planning and commit: everything goes back to ready, nothing is lost.
     wait_until(lambda: tube_counts(conn, "slow") == {"ready": n, "reserved": 0, "delayed": 0, "buried": 0}, 30,
-               "every job to be back in ready after the stop")
+               what="every job to be back in ready after the stop")
 
     gate.unlink()
     second = BatchRecorder()
     query = start(second)
     try:
         wait_until(lambda: tube_counts(conn, "slow")["ready"] + tube_counts(conn, "slow")["reserved"] == 0, 90,
-                   "the replayed batch to be committed and its jobs deleted")
+                   what="the replayed batch to be committed and its jobs deleted")
         assert all(job_state(conn, i) is None for i in ids)
     finally:
         query.stop()
@@ -338,11 +337,7 @@ def test_clear_errors_for_bad_options_and_unreachable_broker(spark):
 
 def _crash(reader) -> None:
     """What a killed driver process looks like to the broker: every socket closes, nothing is deleted."""
-    reader._stopping = True
-    for b in reader._brokers or []:
-        for rc in b.conns:
-            rc.conn.close()
-        b.control.close()
+    reader._inflight.abandon()
 
 
 @pytest.mark.timeout(60)
@@ -351,7 +346,7 @@ def test_reader_restart_after_commit_deletes_the_committed_batch(server, conn_fa
     and the restarted reader deletes them (they are in the commit log) before reading on."""
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
-    from spark_beanstalk.source import BeanstalkStreamReader, SCHEMA
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
 
     conn = conn_factory(server)
     ids = put_jobs(conn, "r", [f"r{i}".encode() for i in range(10)])
@@ -365,7 +360,7 @@ def test_reader_restart_after_commit_deletes_the_committed_batch(server, conn_fa
     assert {r["body"] for r in rows} == {f"r{i}".encode() for i in range(4)}
     assert tube_counts(conn, "r")["reserved"] == 4
     _crash(a)
-    wait_until(lambda: tube_counts(conn, "r")["ready"] == 10, 10, "the crashed reader's jobs to be released")
+    wait_until(lambda: tube_counts(conn, "r")["ready"] == 10, 10, what="the crashed reader's jobs to be released")
 
     b = BeanstalkStreamReader(opts, SCHEMA)
     try:
@@ -382,7 +377,7 @@ def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
-    from spark_beanstalk.source import BeanstalkStreamReader, SCHEMA
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
 
     conn = conn_factory(server)
     ids = put_jobs(conn, "p", [f"p{i}".encode() for i in range(6)], ttr=5)
@@ -391,7 +386,7 @@ def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     start = a.initialOffset()
     end = a.latestOffset(start, ReadMaxRows(100))
     _crash(a)
-    wait_until(lambda: tube_counts(conn, "p")["ready"] == 6, 10, "release after the crash")
+    wait_until(lambda: tube_counts(conn, "p")["ready"] == 6, 10, what="release after the crash")
 
     b = BeanstalkStreamReader(opts, SCHEMA)
     try:
@@ -402,7 +397,7 @@ def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
         assert {r["reserves"] for r in rows} == {2} and {r["ttr"] for r in rows} == {5}
         assert tube_counts(conn, "p")["reserved"] == 6
         b.latestOffset(end, ReadMaxRows(100))            # batch committed: its jobs go
-        wait_until(lambda: all(job_state(conn, i) is None for i in ids), 10, "deletes after commit")
+        wait_until(lambda: all(job_state(conn, i) is None for i in ids), 10, what="deletes after commit")
         assert b.reportLatestOffset()["replayed"] == 6
     finally:
         b.stop()

@@ -23,6 +23,7 @@ from spark_beanstalk.writer import (
     key_host,
     marker_exists,
     marker_namespace,
+    marker_tube,
     put_partition,
     write_marker,
 )
@@ -141,7 +142,8 @@ def test_all_brokers_down_is_a_clear_error(server):
     addr = server.address
     server.kill()
     with pytest.raises(BeanstalkUnavailableError) as info:
-        _put({"body": ["a", "b"]}, f"{addr},127.0.0.1:1", retries="1", retryInterval="0.05")
+        _put({"body": ["a", "b"]}, f"{addr},127.0.0.1:1", retries="1", retryInterval="0.05",
+             brokerRetrySeconds="0")
     msg = str(info.value)
     assert "no broker accepted the rows after 2 attempt(s)" in msg
     assert addr in msg and "cannot connect" in msg and "2 were not" in msg
@@ -208,6 +210,10 @@ def test_batch_markers(server):
     write_marker(o, ns, 6, {"put": 3})
     write_marker(o, ns, 7, {"put": 3})             # drops the marker of batch 5 (retain 2)
     assert marker_exists(o, ns, 5) is None and marker_exists(o, ns, 7) == server.address
+    assert marker_exists(o, ns, 6) == server.address and marker_exists(o, ns, 8) is None
+    with Connection(server.host, server.port) as c:        # one tube, one job: the last completed batch
+        assert [t for t in c.list_tubes() if t.startswith("sbw.")] == [marker_tube(ns)]
+        assert c.stats_tube(marker_tube(ns))["current-jobs-delayed"] == 1
     assert marker_namespace("a b", o, explicit=True) != "a b"       # unusable chars -> digest
 
 

@@ -1,0 +1,155 @@
+"""Instructions per command under callgrind: a measure that ignores the machine's load.
+
+Wall-clock ratios on a shared machine move by 10-20% between runs; the number of
+instructions a server executes per command does not. Each server runs under
+``valgrind --tool=callgrind --instr-atstart=no``; after a warm-up (imports, caches, the
+first allocations), counting is switched on with ``callgrind_control -i on``, the load
+generator sends exactly ``--instr-ops`` commands, counting is switched off, and the
+server's total is divided by the commands. Only user-space instructions are counted
+(callgrind does not see the kernel), so this is the server's own cost per command:
+interpreter, uvloop, libc, our code. ``perf stat -e instructions`` would add the kernel,
+but most VMs do not expose the counter (``perf stat`` says ``<not supported>``).
+
+    python bench/broker_bench.py --instructions                       # put/cycle 50x1, ours + floor
+    python bench/broker_bench.py --instructions --pure --servers ours,floor,beanstalkd
+    python bench/broker_bench.py --instructions --annotate 15         # also the top C functions
+
+Writes bench/out/instructions.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import broker_bench as bb
+import servers
+
+WARMUP_OPS = 3000
+TOTALS = re.compile(rb"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
+
+
+def _control(pid: int, flag: str) -> None:
+    res = subprocess.run(["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=60, check=False)
+    if res.returncode != 0 or "OK" not in res.stdout:
+        raise RuntimeError(f"callgrind_control {flag} {pid} failed: {res.stdout.strip()} {res.stderr.strip()}")
+
+
+def _loadgen(srv, workload: str, conns: int, depth: int, ops: int) -> dict:
+    args = ["-h", srv.host, "-p", str(srv.port), "-s", "100", "-T", "bench", "-c", str(conns), "-d", str(depth)]
+    if workload == "drain":  # reserve+delete of pre-filled jobs: fill first (counted separately, not measured)
+        return bb.run_loadgen(args + ["-w", "drain", "-n", str(ops // 2)], None, timeout=900)
+    return bb.run_loadgen(args + ["-w", workload, "-n", str(ops)], None, timeout=900)
+
+
+def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, annotate: int = 0) -> dict:
+    """Instructions per command of one server on one workload."""
+    out_dir = bb.OUT / "callgrind"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"{kind}_{workload}_c{conns}_d{depth}.out"
+    proc = servers.server_process(kind, opts.ours_args, stderr_path=str(out_dir / f"{kind}.valgrind.log"),
+                                  floor=opts.floor)
+    proc.argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
+                 *proc.argv]
+    srv = proc.start(timeout=180)  # Python starts ~50x slower under valgrind
+    try:
+        if workload == "drain":
+            bb.run_loadgen(["-h", srv.host, "-p", str(srv.port), "-s", "100", "-T", "bench", "-w", "put", "-c", "1",
+                            "-d", "64", "-n", str(ops // 2 + WARMUP_OPS)], None, timeout=900)
+        _loadgen(srv, workload, conns, depth, WARMUP_OPS)
+        _control(srv.pid, "--instr=on")
+        started = time.monotonic()
+        data = _loadgen(srv, workload, conns, depth, ops)
+        _control(srv.pid, "--instr=off")
+        seconds = time.monotonic() - started
+    finally:
+        srv.stop(timeout=60)
+    text = out_file.read_bytes()
+    totals = [int(m) for m in TOTALS.findall(text)]
+    if not totals:
+        raise RuntimeError(f"no totals in {out_file}")
+    commands = data["ops"]
+    result = {"server": kind, "workload": workload, "conns": conns, "depth": depth, "commands": commands,
+              "instructions": max(totals), "per_command": max(totals) / commands if commands else None,
+              "errors": data.get("errors", 0), "seconds_under_valgrind": round(seconds, 1),
+              "callgrind_file": str(out_file)}
+    if annotate:
+        result["top_functions"] = top_functions(out_file, annotate)
+    return result
+
+
+def top_functions(out_file: Path, n: int) -> list[str]:
+    """callgrind_annotate's n most expensive functions (self instructions), as text lines."""
+    if shutil.which("callgrind_annotate") is None:
+        return []
+    res = subprocess.run(["callgrind_annotate", "--threshold=99", str(out_file)], capture_output=True, text=True, check=False,
+                         timeout=120)
+    rows = [line for line in res.stdout.splitlines() if re.match(r"^\s*[\d,]+ \(", line)]
+    return rows[1:n + 1]  # the first row is the program total
+
+
+def main(opts) -> int:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind (with callgrind_control) is needed: apt-get install -y valgrind", file=sys.stderr)
+        return 2
+    kinds = [k for k in opts.servers if k in ("ours", "ours-pure", "floor", "beanstalkd")]
+    workloads = [w for w in opts.workloads if w in ("put", "cycle", "drain")]
+    if workloads == ["put", "cycle", "drain"]:
+        workloads = ["put", "cycle"]  # the default: the floor's two rows
+    conns = opts.conns if opts.conns != [1, 50, 500] else [50]
+    depths = opts.depths if opts.depths != [1, 64] else [1]
+    meta = {"machine": servers.machine(),
+            "builds": {k: servers.build_of_ours(k == "ours-pure") for k in kinds if k.startswith("ours")},
+            "git": bb.git_info(), "ops": opts.instr_ops}
+    print(f"# instructions per command (callgrind, user space); {bb.machine_line(meta)}", file=sys.stderr)
+    results = []
+    for workload in workloads:
+        for c in conns:
+            for d in depths:
+                for kind in kinds:
+                    try:
+                        r = count(kind, workload, c, d, opts.instr_ops, opts, annotate=opts.annotate)
+                    except Exception as exc:  # noqa: BLE001 - a server that fails under valgrind is a result
+                        r = {"server": kind, "workload": workload, "conns": c, "depth": d,
+                             "failed": f"{type(exc).__name__}: {exc}"[:400]}
+                    results.append(r)
+                    print(f"  {workload:5} {c}x{d} {kind:10} "
+                          + (f"{r['per_command']:9.0f} instructions/command ({r['commands']} commands, "
+                             f"{r['seconds_under_valgrind']} s)" if "per_command" in r else r["failed"]),
+                          file=sys.stderr)
+                    for line in r.get("top_functions", []):
+                        print(f"      {line.strip()}", file=sys.stderr)
+    print(table(results, kinds))
+    print(f"\n{bb.machine_line(meta)}; git {meta['git']['commit']}")
+    out = bb.OUT / "instructions.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if all("per_command" in r for r in results) else 1
+
+
+def table(results: list[dict], kinds: list[str]) -> str:
+    rows: dict[tuple, dict[str, float | None]] = {}
+    for r in results:
+        rows.setdefault((r["workload"], r["conns"], r["depth"]), {})[r["server"]] = r.get("per_command")
+    ref = "floor" if "floor" in kinds else None
+    hdr = ["workload", "conns x depth"] + [f"{k} instr/cmd" for k in kinds]
+    hdr += [f"{k}/floor" for k in kinds if ref and k.startswith("ours")]
+    lines = ["| " + " | ".join(hdr) + " |", "|---|---|" + "---:|" * (len(hdr) - 2)]
+    for (w, c, d), per in rows.items():
+        cells = [w, f"{c}x{d}"] + [f"{per[k]:,.0f}" if per.get(k) else "-" for k in kinds]
+        for k in kinds:
+            if ref and k.startswith("ours"):
+                cells.append(f"{per[k] / per[ref]:.2f}" if per.get(k) and per.get(ref) else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - run through broker_bench.py --instructions
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).with_name("broker_bench.py")), "--instructions",
+                              *sys.argv[1:]])

@@ -1,0 +1,126 @@
+"""Which build of the broker's hot modules runs: mypyc-compiled or interpreted.
+
+``setup.py`` compiles :data:`HOT_MODULES` with mypyc when the machine has a C compiler
+(``SPARK_BEANSTALK_NO_COMPILE=1`` skips it); the extension modules land beside the
+``.py`` files, and Python's import system prefers them. The interpreted source is used
+instead, for every hot module at once, when
+
+* ``SPARK_BEANSTALK_PURE=1`` asks for it (CI runs the protocol suites both ways), or
+* the compiled set is incomplete or older than its source (an edited checkout): a stale
+  extension would silently run old code, and a compiled module cannot mix with an
+  interpreted one of the same group (mypyc's native classes check their exact types).
+
+:func:`select` runs from ``broker/__init__.py``, before any hot module is imported.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+PURE_ENV = "SPARK_BEANSTALK_PURE"
+NO_COMPILE_ENV = "SPARK_BEANSTALK_NO_COMPILE"
+GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
+# The modules setup.py compiles (the per-command path); everything else stays interpreted.
+HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.model", "broker.queue",
+                               "broker.state", "broker.connection")
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of :func:`select`: ``compiled`` and a reason a person can read."""
+
+    compiled: bool
+    reason: str
+    modules: tuple[str, ...] = ()
+
+
+class SourceFirst(importlib.abc.MetaPathFinder):
+    """Finds the hot modules' ``.py`` files, ahead of the extension modules beside them."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        return importlib.util.spec_from_file_location(fullname, _source(fullname))
+
+
+def _source(module: str) -> Path:
+    return PACKAGE_DIR / (module.rpartition(".")[2] + ".py")
+
+
+def _extension(module: str) -> Path | None:
+    """The compiled extension file of a hot module, if one was built."""
+    stem = module.rpartition(".")[2]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = PACKAGE_DIR / (stem + suffix)
+        if path.exists():
+            return path
+    return None
+
+
+def _group_library() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = PACKAGE_DIR.parent / f"{GROUP}__mypyc{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def inspect_build() -> Selection:
+    """What select() would decide, without changing anything."""
+    built = {m: _extension(m) for m in HOT_MODULES}
+    present = [m for m, ext in built.items() if ext is not None]
+    if not present:
+        return Selection(False, "interpreted (no compiled modules built)")
+    if _env_true(PURE_ENV):
+        return Selection(False, f"interpreted ({PURE_ENV}=1)")
+    missing = [m for m in HOT_MODULES if built[m] is None]
+    if missing or _group_library() is None:
+        return Selection(False, f"interpreted (compiled set incomplete: {', '.join(missing) or 'group library'})")
+    stale = [m for m, ext in built.items() if ext is not None and _source(m).stat().st_mtime > ext.stat().st_mtime]
+    if stale:
+        return Selection(False, f"interpreted (compiled modules older than their source: {', '.join(stale)}; "
+                                f"rebuild with `python setup.py build_ext --inplace`)")
+    return Selection(True, "compiled (mypyc)", tuple(HOT_MODULES))
+
+
+def select() -> Selection:
+    """Make the decision for this process; called once, before the hot modules load."""
+    choice = inspect_build()
+    if not choice.compiled and any(_extension(m) for m in HOT_MODULES):
+        if not any(isinstance(f, SourceFirst) for f in sys.meta_path):
+            sys.meta_path.insert(0, SourceFirst(HOT_MODULES))
+        if "stale" in choice.reason or "incomplete" in choice.reason or "older" in choice.reason:
+            print(f"spark-beanstalk: broker core {choice.reason}", file=sys.stderr)
+    return choice
+
+
+def running() -> Selection:
+    """What this process actually runs (after the hot modules were imported)."""
+    compiled = [m for m in HOT_MODULES if m in sys.modules
+                and str(getattr(sys.modules[m], "__file__", "")).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
+    if compiled:
+        return Selection(True, f"compiled (mypyc): {', '.join(m.rpartition('.')[2] for m in compiled)}", tuple(compiled))
+    return inspect_build() if not inspect_build().compiled else Selection(False, "interpreted")
+
+
+def describe() -> str:
+    """One line for benchmarks and logs: which build the hot modules of this process run."""
+    for module in HOT_MODULES:
+        importlib.import_module(module)
+    return running().reason

@@ -3,8 +3,10 @@
 Layers, each importable alone, lower ones never importing higher ones:
 - ``broker.protocol``: the wire codec (bytes in, named command records out; replies out);
 - ``broker.model``, ``broker.queue``: jobs, tubes, clients and the state machine that moves
-  them (no I/O, clock injected, one timer heap in ``broker.timers``); ``broker.stats``
-  renders the stats replies, ``broker.queue_restore`` puts recovered jobs back;
+  them (no I/O, clock injected, one timer heap in ``broker.timers``); beside ``Queue``
+  (put / reserve / delete), functions over it: ``broker.queue_verbs`` (the other verbs),
+  ``broker.queue_timers`` (what comes due), ``broker.queue_apply`` (replication apply),
+  ``broker.stats`` (the stats replies), ``broker.queue_restore`` (recovered jobs back);
 - ``broker.binlog*``: persistence, a listener on queue changes (format, files, recovery,
   segments and space);
 - ``broker.state``, ``broker.connection``, ``broker.server``: the asyncio glue (what

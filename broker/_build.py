@@ -29,7 +29,7 @@ NO_COMPILE_ENV = "SPARK_BEANSTALK_NO_COMPILE"
 GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # The modules setup.py compiles (the per-command path); everything else stays interpreted.
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.model", "broker.queue",
-                               "broker.state", "broker.connection")
+                               "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -112,10 +112,12 @@ def select() -> Selection:
 
 def running() -> Selection:
     """What this process actually runs (after the hot modules were imported)."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     compiled = [m for m in HOT_MODULES if m in sys.modules
-                and str(getattr(sys.modules[m], "__file__", "")).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
+                and str(getattr(sys.modules[m], "__file__", "")).endswith(suffixes)]
     if compiled:
-        return Selection(True, f"compiled (mypyc): {', '.join(m.rpartition('.')[2] for m in compiled)}", tuple(compiled))
+        names = ", ".join(m.rpartition(".")[2] for m in compiled)
+        return Selection(True, f"compiled (mypyc): {names}", tuple(compiled))
     return inspect_build() if not inspect_build().compiled else Selection(False, "interpreted")
 
 

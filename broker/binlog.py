@@ -1,11 +1,12 @@
 """The binlog (``-b DIR``): a crash-safe write-ahead log of every job state change.
 
-Like beanstalkd's walg.c beside file.c, the binlog is four modules: the record format
+Like beanstalkd's walg.c beside file.c, the binlog is five modules: the record format
 (:mod:`broker.binlog_format`, the one encoder/decoder, used by production and tests), the
 files (:mod:`broker.binlog_file`: directory, lock, segment creation, fsync thread),
-recovery (:mod:`broker.binlog_recovery`), and this one: the queue listener that writes
-records, and the segments and space management (current segment, spare, rotation,
-compaction). What it guarantees, and why:
+recovery (:mod:`broker.binlog_recovery`), the segments and their space
+(:mod:`broker.binlog_segments`: current segment, spare, rotation, room checks, flush and
+fsync, compaction), and this one: the queue listener that writes the records, opening,
+stats and shutdown. What it guarantees, and why:
 
 Writing. Every put, delete, release, bury, kick and TTR timeout appends one record to an
 in-memory buffer (``struct.pack`` + ``zlib.crc32``; no system call). So does every
@@ -70,39 +71,29 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 from array import array
 from typing import Any
 
 from broker import binlog_format as fmt
-from broker.binlog_file import (
-    BinlogDir,
-    BinlogError,
-    CrashHook,
-    FsyncThread,
-    say,
-    write_all,
-)
+from broker.binlog_file import BinlogDir, BinlogError, CrashHook, FsyncThread, say
 from broker.binlog_recovery import RestoreTally, Scanner, ScanResult, restore_records
+from broker.binlog_segments import DEL, FIXED, NS, SLACK, SegmentLog
 from broker.queue import DELAYED, INVALID, Job, Queue, QueueListener, StorageFull
 from broker.queue_restore import restore_jobs
 
 __all__ = ["Binlog", "BinlogError", "open_binlog"]
 
-NS = 1_000_000_000
-SLACK = 512  # room kept beyond the delete reserve: next segment header, fragmentation
-CHUNK = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
-MIGRATE_BUDGET = 256 * 1024  # bytes of records moved forward per reply batch at most
-_DEL = fmt.DELETE_RECORD_SIZE
-_FIXED = fmt.JOB_RECORD_FIXED
+_DEL = DEL
+_FIXED = FIXED
 _append_job = fmt.append_job
 _append_update = fmt.append_update
 _append_delete = fmt.append_delete
 
 
-class Binlog(QueueListener):
-    """The queue listener behind ``-b DIR``: writes records, owns the segments and their space.
+class Binlog(SegmentLog, QueueListener):
+    """The queue listener behind ``-b DIR``: writes the records; the segments and their space
+    are its base, :class:`broker.binlog_segments.SegmentLog`.
 
     ``crash`` is the test hook of :class:`broker.binlog_file.CrashHook`; by default it is
     read from the environment when the Binlog is built (never at import).
@@ -110,53 +101,12 @@ class Binlog(QueueListener):
 
     def __init__(self, directory: str, fsync_ms: int | None = 50, segment_size: int = 10485760,
                  ignore_damage: bool = False, crash: CrashHook | None = None) -> None:
-        self.files = BinlogDir(directory, crash if crash is not None else CrashHook.from_env())
-        self.dir = self.files.path
+        super().__init__(BinlogDir(directory, crash if crash is not None else CrashHook.from_env()), segment_size)
         self.fsync_ms = fsync_ms
         self.syncs_every_reply = fsync_ms == 0
-        self.fsync_count = 0
-        self.fsync_seconds = 0.0
         self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does
-        self.seg_size = max(int(segment_size), fmt.HEADER_SIZE + 1024)
-        self._chunk = min(self.seg_size, CHUNK)  # segments are allocated this much at a time
         self.ignore_damage = ignore_damage
-        self.queue: Queue | None = None
-        self._wall_off = time.time_ns() - time.monotonic_ns()
-        # current segment
-        self._fd = -1
-        self._cur = 0
-        self._pos = 0  # logical end of the current segment (written + buffered)
-        self._alloc = 0  # bytes allocated for it
-        self._buf = bytearray()
-        # spare (next) segment, created only when the delete reserve needs it
-        self._spare_fd = -1
-        self._spare_room = 0  # allocated bytes usable for records (0: no spare)
-        self._spare_alloc = 0
-        self._spare_retry_at = 0.0
-        # per-segment bookkeeping (every existing segment, the current one included)
-        self._order: list[int] = []  # ascending
-        self._live: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self._ids: dict[int, array[int]] = {}
-        self._cur_ids: array[int] = array("Q")
-        self._migrate_pos: dict[int, int] = {}
-        self._nlive = 0
-        self._live_bytes = 0
-        self._disk_bytes = 0  # record bytes in all segments but the current one
-        self._max_id = 0
-        self._tube_bytes: dict[str, bytes] = {}
-        self._maint = False
-        # durability
-        self._dirty = False  # written since the last fdatasync
-        self._must_sync = False  # ...and among it a change that -f 0 must sync before replying
-        self._fd_lock = threading.Lock()
-        self._thread: FsyncThread | None = None
-        self._write_error: str | None = None
         self._skipped_updates = 0
-        # stats
-        self.records_written = 0  # beanstalkd's count: reserve records are not in it
-        self.reserves_written = 0
-        self.records_migrated = 0
         self._recovered: ScanResult | None = None
         self._damaged: list[int] = []
         self._closed = False
@@ -216,140 +166,7 @@ class Binlog(QueueListener):
         self._maint = True
         self._maintain(full=True)
 
-    def _drop_empty_segments(self) -> None:
-        """Old segments holding no record at all (a start with no activity) can go in any order."""
-        for idx in list(self._order):
-            if idx != self._cur and self._size.get(idx) == fmt.HEADER_SIZE and not self._live.get(idx):
-                self.files.remove(idx)
-                self._forget(idx)
-
-    def _rewrite_all_forward(self, damaged: list[int]) -> None:
-        """After --binlog-ignore-damage: write every live job into the current segment, set damaged files aside."""
-        assert self.queue is not None
-        moved = 0
-        for job in list(self.queue.jobs.values()):
-            if job.file != self._cur:
-                self._write_full(job, force=True)
-                moved += 1
-        self._flush()
-        self._sync_now()
-        for idx in damaged:
-            aside = self.files.set_aside(idx)
-            if idx in self._live:
-                self._forget(idx)
-            say(f"damaged segment set aside as {aside}")
-        say(f"rewrote {moved:,} recovered jobs into {fmt.segment_name(self._cur)}")
-
-    # ------------------------------------------------------------------ segments
-    def _start_segment(self, idx: int) -> None:
-        """Create, allocate and start writing segment ``idx`` (used at open)."""
-        fd, alloc = self.files.create_segment(idx, self._chunk, fmt.HEADER_SIZE + SLACK)
-        if fd < 0:
-            raise BinlogError(f"cannot allocate a binlog segment in {self.dir}: disk full")
-        self._activate(fd, idx, alloc)
-        self._flush()
-        self._sync_now()
-
-    def _activate(self, fd: int, idx: int, alloc: int) -> None:
-        """Make ``fd`` the current segment; its header (with the max id so far) goes first."""
-        with self._fd_lock:
-            self._fd = fd
-        self._cur = idx
-        self._alloc = alloc
-        self._buf += fmt.encode_header(idx, self._max_id, time.time_ns())
-        self._must_sync = True
-        self._pos = fmt.HEADER_SIZE
-        self._order.append(idx)
-        self._live[idx] = 0
-        self._cur_ids = self._ids[idx] = array("Q")
-
-    def _rotate(self, need: int) -> bool:
-        """Switch to the next segment, which must have room for a ``need``-byte record."""
-        if (self._spare_fd < 0 or self._spare_room < need) and not self._make_spare(need):
-            return False
-        # finish the current segment: everything in it on disk before anything goes to the next
-        self._flush()
-        if self._buf:
-            return False  # the old segment cannot be finished (write error): stay on it
-        try:
-            os.ftruncate(self._fd, self._pos)  # give back the allocated space it will not use
-            self._sync_now()
-        except OSError as exc:
-            self._io_failed("finishing a segment", exc)
-            return False
-        self.files.crash_point("rotate-old-synced")
-        old = self._fd
-        self._size[self._cur] = self._pos
-        self._disk_bytes += self._pos
-        fd, alloc = self._spare_fd, self._spare_alloc
-        self._spare_fd, self._spare_room, self._spare_alloc = -1, 0, 0
-        self._activate(fd, self._cur + 1, alloc)
-        os.close(old)
-        self._maint = True
-        return True
-
-    def _make_spare(self, need: int) -> bool:
-        """Allocate the next segment ahead of time (for the delete reserve, or for a rotation)."""
-        if self._spare_fd >= 0:
-            want = fmt.HEADER_SIZE + need + self._chunk  # headroom: not a fallocate per put
-            try:
-                os.posix_fallocate(self._spare_fd, 0, want)
-            except OSError:
-                return False
-            self._spare_alloc = max(self._spare_alloc, want)
-            self._spare_room = self._spare_alloc - fmt.HEADER_SIZE
-            return True
-        now = time.monotonic()
-        if now < self._spare_retry_at:
-            return False
-        reserve = self._nlive * _DEL + SLACK
-        want = max(self._chunk, fmt.HEADER_SIZE + need + reserve)
-        fd, alloc = self.files.create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
-        if fd < 0:
-            self._spare_retry_at = now + 0.5  # full disk: do not retry on every put
-            return False
-        self._spare_fd, self._spare_alloc, self._spare_room = fd, alloc, alloc - fmt.HEADER_SIZE
-        return True
-
-    def _grow(self, upto: int) -> None:
-        """Allocate more of the current segment (a chunk at a time, never beyond -s bytes)."""
-        target = min(self.seg_size, max(self._alloc + self._chunk, upto))
-        if target > self._alloc:
-            try:
-                os.posix_fallocate(self._fd, 0, target)
-                self._alloc = target
-            except OSError:
-                pass  # full disk: the caller rotates into the spare or refuses
-
-    def _fit(self, size: int, reserve: int) -> bool:
-        """Make room for a ``size``-byte record that leaves ``reserve`` allocated bytes; False: no room on disk."""
-        if size > self._alloc - self._pos:
-            self._grow(self._pos + size)
-            if size > self._alloc - self._pos and not self._rotate(size):
-                return False
-        if reserve and self._room_after(size) < reserve:
-            self._grow(self._pos + size + reserve)
-            if self._room_after(size) < reserve:
-                self._make_spare(reserve + size)
-                if self._room_after(size) < reserve:
-                    return False
-        return True
-
-    def _room_after(self, size: int) -> int:
-        """Allocated room left for records after writing a ``size``-byte record (rotating if needed)."""
-        rem = self._alloc - self._pos
-        if size <= rem:
-            return rem - size + self._spare_room
-        return self._spare_room - size
-
     # ------------------------------------------------------------------ listener: writes
-    def _tube_name(self, job: Job) -> bytes:
-        name = job.tube.name
-        tb = self._tube_bytes.get(name)
-        if tb is None:
-            tb = self._tube_bytes[name] = name.encode("latin-1")
-        return tb
-
     @property
     def write_error(self) -> str | None:
         """The last failed write or fsync, until one succeeds again: /readyz reports it."""
@@ -394,30 +211,6 @@ class Binlog(QueueListener):
         if not self._fit(size, (self._nlive + 1) * _DEL + SLACK):
             raise StorageFull("binlog: disk full")
 
-    def _write_full(self, job: Job, force: bool = False) -> bool:
-        """Append the job's complete current state (compaction / rewrite); the job moves to the current segment."""
-        tb = self._tube_name(job)
-        size = _FIXED + len(tb) + len(job.body)
-        if not self._fit(size, 0 if force else self._nlive * _DEL + SLACK):
-            return False
-        state = job.state
-        deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        _append_job(self._buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off,
-                    deadline, job.reserves, job.timeouts, job.releases, job.buries, job.kicks, tb, job.body)
-        self._pos += size
-        self._must_sync = True
-        old = job.file
-        idx = self._cur
-        if old != idx:
-            live = self._live
-            if old in live:
-                live[old] -= 1
-            live[idx] += 1
-            self._cur_ids.append(job.id)
-            job.file = idx
-        self.records_written += 1
-        return True
-
     def job_updated(self, job: Job) -> None:
         if self._append_update(job):
             self._must_sync = True
@@ -429,8 +222,7 @@ class Binlog(QueueListener):
         Not counted in ``binlog-records-written``, which stays what beanstalkd (which does not
         log reserves) reports for the same commands.
         """
-        if self._append_update(job):
-            self.reserves_written += 1
+        self._append_update(job)
 
     def _append_update(self, job: Job) -> bool:
         state = job.state
@@ -451,7 +243,7 @@ class Binlog(QueueListener):
         return True
 
     def job_deleted(self, job: Job) -> None:
-        if _DEL > self._alloc - self._pos and not self._fit(_DEL, 0):
+        if self._alloc - self._pos < _DEL and not self._fit(_DEL, 0):
             say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
             return
         _append_delete(self._buf, job.id)
@@ -482,125 +274,10 @@ class Binlog(QueueListener):
             except OSError as exc:
                 self._io_failed("fdatasync", exc)
 
-    def _flush(self) -> None:
-        """Write the buffer to the current segment (one os.write, normally)."""
-        buf = self._buf
-        if not buf:
-            return
-        try:
-            write_all(self._fd, buf)
-        except OSError as exc:
-            self._dirty = True
-            msg = f"binlog write failed: {exc.strerror}"
-            if self._write_error is None:
-                say(f"ERROR: {msg} ({self.files.segment(self._cur)}); new jobs are refused until writing works again")
-            self._write_error = msg
-            return
-        self._write_error = None
-        self._dirty = True
-        if self._thread is not None:
-            self._thread.wake()
-
-    def _io_failed(self, what: str, exc: OSError) -> None:
-        """An fsync or file operation failed: say so, refuse new jobs until a write works again."""
-        msg = f"binlog {what} failed: {exc.strerror or exc}"
-        if self._write_error != msg:
-            say(f"ERROR: {msg} ({self.dir}); new jobs are refused until writing works again")
-        self._write_error = msg
-
-    def _sync_now(self, only_if_dirty: bool = False) -> None:
-        """fdatasync the current segment (the fsync thread: only if written since the last one)."""
-        with self._fd_lock:
-            if self._fd >= 0 and (self._dirty or not only_if_dirty):
-                self._dirty = False
-                self._must_sync = False
-                started = time.perf_counter()
-                os.fdatasync(self._fd)
-                self.fsync_seconds += time.perf_counter() - started
-                self.fsync_count += 1
-
-    def _sync_dirty(self) -> None:
-        self._sync_now(only_if_dirty=True)
-
     def start_thread(self) -> None:
         if self.fsync_ms and self._thread is None:
             self._thread = FsyncThread(self.fsync_ms, self._sync_dirty)
             self._thread.start()
-
-    # ------------------------------------------------------------------ space reclaim
-    def _needs_compaction(self) -> bool:
-        return len(self._order) > 1 and self._disk_bytes + self._pos > 2 * self._live_bytes + 2 * self.seg_size
-
-    def _maintain(self, full: bool = False) -> None:
-        """Delete dead old segments; move live jobs out of the oldest one when the log is mostly garbage."""
-        self._maint = False
-        while True:
-            self._drop_dead_prefix()
-            if self.queue is None or not self._needs_compaction():
-                return
-            oldest = self._order[0]
-            if not self._migrate(self.queue, oldest, 1 << 62 if full else MIGRATE_BUDGET):
-                self._maint = True  # more to move: go on at the next reply batch
-                return
-            if self._live.get(oldest):
-                return  # no room to move everything
-            if not full:
-                self._drop_dead_prefix()
-                self._maint = self._needs_compaction()
-                return
-
-    def _migrate(self, queue: Queue, idx: int, budget: int) -> bool:
-        """Rewrite forward the live jobs of segment ``idx``; True when none is left there."""
-        ids = self._ids.get(idx)
-        if ids is None:
-            return True
-        jobs = queue.jobs
-        pos = self._migrate_pos.get(idx, 0)
-        written = 0
-        while pos < len(ids):
-            if written >= budget:
-                self._migrate_pos[idx] = pos
-                return False
-            job = jobs.get(ids[pos])
-            if job is not None and job.file == idx:
-                if not self._write_full(job):
-                    self._migrate_pos[idx] = pos
-                    return False
-                self.records_migrated += 1
-                written += _FIXED + len(job.body) + len(job.tube.name)
-            pos += 1
-        self._migrate_pos[idx] = pos
-        self.files.crash_point("compact-copied")
-        return True
-
-    def _drop_dead_prefix(self) -> None:
-        order = self._order
-        live = self._live
-        if len(order) < 2 or live[order[0]]:
-            return
-        # the records that superseded those segments must be on disk before they go
-        self._flush()
-        if self._buf:
-            return
-        try:
-            self._sync_now()
-            self.files.crash_point("compact-synced")
-            while len(order) > 1 and not live[order[0]]:
-                idx = order[0]
-                self.files.unlink(idx)
-                self.files.crash_point("compact-unlinked")
-                self.files.fsync()
-                self._forget(idx)
-        except OSError as exc:
-            self._io_failed("deleting an old segment", exc)
-
-    def _forget(self, idx: int) -> None:
-        self._order.remove(idx)
-        self._live.pop(idx, None)
-        self._disk_bytes -= self._size.pop(idx, 0)
-        self._ids.pop(idx, None)
-        self._migrate_pos.pop(idx, None)
-        self._spare_retry_at = 0.0  # room came back: a full disk may have space again
 
     # ------------------------------------------------------------------ stats, shutdown
     def stats(self) -> dict[str, Any]:

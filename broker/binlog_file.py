@@ -7,6 +7,7 @@ back is :mod:`broker.binlog_recovery`; the bytes of a record are :mod:`broker.bi
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -131,10 +132,8 @@ class BinlogDir:
 
     def unlink(self, idx: int) -> None:
         """Unlink a segment (missing is fine); durable only after the next :meth:`fsync`."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.segment(idx))
-        except FileNotFoundError:
-            pass
 
     def remove(self, idx: int) -> None:
         """Unlink a segment and make that durable."""
@@ -174,10 +173,8 @@ class BinlogDir:
                     raise
         if not alloc:
             os.close(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
             return -1, 0
         os.fsync(fd)
         self.fsync()
@@ -263,6 +260,10 @@ class FsyncThread:
         if not self.wake_event.is_set():
             self.wake_event.set()
 
+    def _stopped(self) -> bool:
+        """Another thread sets ``stopping``: a call, so each check reads it afresh (for mypy too)."""
+        return self.stopping
+
     def stop(self) -> None:
         self.stopping = True
         self.wake_event.set()
@@ -273,13 +274,13 @@ class FsyncThread:
         wake = self.wake_event
         while True:
             wake.wait()
-            if self.stopping:
+            if self._stopped():
                 return
             wait = last + self.interval - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             wake.clear()
-            if self.stopping:  # stop() may have set the event just before clear(): close syncs itself
+            if self._stopped():  # stop() may have set the event just before clear(): close syncs itself
                 return
             try:
                 self._sync()

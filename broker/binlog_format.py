@@ -178,7 +178,8 @@ def decode_header(data: Buffer) -> tuple[int, int, int, int]:
     if crc != crc32(data[:SEGMENT_HEADER.size]):
         raise FormatError(0, "segment header checksum mismatch")
     if version != FORMAT_VERSION:
-        raise FormatError(0, f"unsupported binlog format version {version} (this broker reads version {FORMAT_VERSION})")
+        raise FormatError(0, f"unsupported binlog format version {version} "
+                             f"(this broker reads version {FORMAT_VERSION})")
     if hdr_size < HEADER_SIZE:
         raise FormatError(0, f"bad header size {hdr_size}")
     return version, index, max_id, created
@@ -317,10 +318,6 @@ def find_next_valid(data: Buffer, pos: int, end: int) -> int | None:
 
 
 def only_zeros(data: Buffer, start: int, end: int) -> bool:
-    if start >= end:
-        return True
+    """True when ``data[start:end]`` is all zero bytes (preallocated, never written), read 1 MiB at a time."""
     chunk = 1 << 20
-    for p in range(start, end, chunk):
-        if bytes(data[p:min(end, p + chunk)]).strip(b"\0"):
-            return False
-    return True
+    return not any(bytes(data[p:min(end, p + chunk)]).strip(b"\0") for p in range(start, end, chunk))

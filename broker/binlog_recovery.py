@@ -200,8 +200,8 @@ class Scanner:
                 f"To start anyway with every job that can still be read, run with --binlog-ignore-damage "
                 f"(the damaged file is kept as {os.path.basename(path)}.damaged); or restore "
                 f"{self.dir.path} from a backup.")
-        say(f"WARNING: damage ignored (--binlog-ignore-damage): {path} at offset {pos}: {reason}; "
-            + (f"skipping {nxt - pos} bytes to the next valid record" if nxt is not None else "rest of the file skipped"))
+        then = f"skipping {nxt - pos} bytes to the next valid record" if nxt is not None else "rest of the file skipped"
+        say(f"WARNING: damage ignored (--binlog-ignore-damage): {path} at offset {pos}: {reason}; {then}")
         if idx not in self.result.damaged:
             self.result.damaged.append(idx)
         return nxt if nxt is not None else -1

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import tomllib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
-import tomllib
 
 from broker import logs
 from broker import protocol as p
@@ -112,7 +112,8 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
 @click.option("--max-output-bytes", type=click.IntRange(1 << 16), default=DEFAULT_MAX_OUTPUT_BYTES,
               show_default=True, help="Close a connection whose unread replies pass this size.")
 @click.option("--slow-reader-timeout", type=click.FloatRange(0), default=DEFAULT_SLOW_READER_TIMEOUT,
-              show_default=True, help="Close a connection that leaves over 1 MiB of replies unread this long (0: never).")
+              show_default=True,
+              help="Close a connection that leaves over 1 MiB of replies unread this long (0: never).")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate (PEM).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key (PEM).")
 @click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False),
@@ -132,8 +133,8 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
                    fsync_ms: int, no_fsync: bool, binlog_size: int, max_connections: int, max_jobs: int,
                    max_job_bytes: int, max_tubes: int, max_reserved_per_connection: int, idle_timeout: float,
-                   max_output_bytes: int, slow_reader_timeout: float, tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
-                   tls_port: int | None, auth_token_file: str | None, metrics: str | None,
+                   max_output_bytes: int, slow_reader_timeout: float, tls_cert: str | None, tls_key: str | None,
+                   tls_client_ca: str | None, tls_port: int | None, auth_token_file: str | None, metrics: str | None,
                    no_dashboard: bool, extended_stats: bool) -> None:
     """Run the beanstalkd-compatible work-queue broker."""
     logs.setup(verbose)
@@ -211,12 +212,8 @@ async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Ca
 
 
 def _open_binlog(directory: str, fsync_ms: int, no_fsync: bool, segment_size: int) -> QueueListener:
-    try:
-        from broker.binlog import BinlogError, open_binlog
-    except ImportError:
-        raise click.ClickException(
-            "-b/--binlog-dir: persistence is not available in this build yet; run without -b"
-        ) from None
+    from broker.binlog import BinlogError, open_binlog  # only brokers started with -b load the binlog
+
     ignore_damage = click.get_current_context().meta.get("binlog_ignore_damage", False)
     try:
         return open_binlog(directory, fsync_ms=None if no_fsync else fsync_ms, segment_size=segment_size,

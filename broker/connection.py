@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from broker import logs, security, stats
+from broker import logs, queue_timers, queue_verbs, security, stats
 from broker import protocol as p
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Client, Queue
@@ -23,27 +23,27 @@ log = logging.getLogger("broker")
 
 # Commands that map straight onto a Queue method, by argument shape.
 _BY_ID: dict[str, Callable[[Queue, Client, int], bytes]] = {
-    "reserve-job": Queue.reserve_job,
+    "reserve-job": queue_verbs.reserve_job,
     "delete": Queue.delete,
-    "touch": Queue.touch,
-    "kick-job": Queue.kick_job,
-    "peek": Queue.peek,
+    "touch": queue_verbs.touch,
+    "kick-job": queue_verbs.kick_job,
+    "peek": queue_verbs.peek,
     "stats-job": stats.stats_job,
 }
 _BY_TUBE: dict[str, Callable[[Queue, Client, str], bytes]] = {
-    "use": Queue.use,
-    "watch": Queue.watch,
-    "ignore": Queue.ignore,
+    "use": queue_verbs.use,
+    "watch": queue_verbs.watch,
+    "ignore": queue_verbs.ignore,
     "stats-tube": stats.stats_tube,
 }
 _BARE: dict[str, Callable[[Queue, Client], bytes]] = {
-    "peek-ready": Queue.peek_ready,
-    "peek-delayed": Queue.peek_delayed,
-    "peek-buried": Queue.peek_buried,
+    "peek-ready": queue_verbs.peek_ready,
+    "peek-delayed": queue_verbs.peek_delayed,
+    "peek-buried": queue_verbs.peek_buried,
     "stats": stats.stats,
-    "list-tubes": Queue.list_tubes,
-    "list-tube-used": Queue.list_tube_used,
-    "list-tubes-watched": Queue.list_tubes_watched,
+    "list-tubes": queue_verbs.list_tubes,
+    "list-tube-used": queue_verbs.list_tube_used,
+    "list-tubes-watched": queue_verbs.list_tubes_watched,
 }
 # The stats counter (cmd-*) each command bumps; an Error names its own, a put whose header
 # was already counted ("put-header") is not counted again. Counted in _execute only.
@@ -180,7 +180,7 @@ class BrokerConnection(asyncio.Protocol):
             self._refuse("accept_errors", f"{open_now} open, near the file descriptor limit")
             return
         self.transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)
-        self.client = self.queue.connect(self._deliver, self.peer)
+        self.client = queue_verbs.connect(self.queue, self._deliver, self.peer)
         state.connections.add(self)
         if state.config.verbose:
             logs.event(log, logging.INFO, "accept", peer=self.peer)
@@ -236,7 +236,7 @@ class BrokerConnection(asyncio.Protocol):
             return
         self.flow.cancel_stall()
         self.state.connections.discard(self)
-        self.queue.disconnect(self.client)
+        queue_verbs.disconnect(self.queue, self.client)
         self.client.deliver = _discard  # break the client <-> connection cycle
         self.timer.reschedule()
         if self.state.config.verbose:
@@ -289,7 +289,7 @@ class BrokerConnection(asyncio.Protocol):
                 if client.waiting:
                     if not self.eof:
                         break
-                    queue.hangup(client)  # half-closed while blocked: TIMED_OUT, as beanstalkd
+                    queue_timers.hangup(queue, client)  # half-closed while blocked: TIMED_OUT, as beanstalkd
                 cmd = decoder.next_command()
                 if cmd is None:
                     break
@@ -350,14 +350,14 @@ class BrokerConnection(asyncio.Protocol):
             return _BY_TUBE[name](queue, self.client, cmd.tube)
         if isinstance(cmd, p.IntArg):
             if name == "kick":
-                return queue.kick(self.client, cmd.value)
+                return queue_verbs.kick(queue, self.client, cmd.value)
             return queue.reserve(self.client, cmd.value)
         if isinstance(cmd, p.Release):
-            return queue.release(self.client, cmd.job_id, cmd.pri, cmd.delay)
+            return queue_verbs.release(queue, self.client, cmd.job_id, cmd.pri, cmd.delay)
         if isinstance(cmd, p.Bury):
-            return queue.bury(self.client, cmd.job_id, cmd.pri)
+            return queue_verbs.bury(queue, self.client, cmd.job_id, cmd.pri)
         if isinstance(cmd, p.PauseTube):
-            return queue.pause_tube(self.client, cmd.tube, cmd.delay)
+            return queue_verbs.pause_tube(queue, self.client, cmd.tube, cmd.delay)
         if isinstance(cmd, p.PutLine):  # put-header: beanstalkd assigns the id now
             queue.put_header(self.client)
             return None

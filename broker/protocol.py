@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
+
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
 
@@ -134,7 +135,6 @@ UNKNOWN_COMMAND = b"UNKNOWN_COMMAND\r\n"
 EXPECTED_CRLF = b"EXPECTED_CRLF\r\n"
 JOB_TOO_BIG = b"JOB_TOO_BIG\r\n"
 OUT_OF_MEMORY = b"OUT_OF_MEMORY\r\n"
-INTERNAL_ERROR = b"INTERNAL_ERROR\r\n"
 DRAINING = b"DRAINING\r\n"
 NOT_FOUND = b"NOT_FOUND\r\n"
 DELETED = b"DELETED\r\n"

@@ -45,7 +45,6 @@ from broker.timers import (
     CLIENT_TICK,
     DELAYED_READY,
     TTR_EXPIRY,
-    TUBE_UNPAUSE,
     TimerHeap,
 )
 
@@ -165,42 +164,7 @@ class Queue:
             self.waited_tubes.pop(tube, None)
 
     # -- clients -----------------------------------------------------------------
-    def connect(self, deliver: Callable[[bytes], None], peer: str = "") -> Client:
-        client = Client(deliver, peer)
-        tube = self.default_tube
-        client.use = tube
-        tube.refs += 1
-        tube.using += 1
-        client.watch.append(tube)
-        tube.refs += 1
-        tube.watching += 1
-        self.cur_conns += 1
-        self.tot_conns += 1
-        return client
 
-    def disconnect(self, client: Client) -> None:
-        """The connection closed: its reserved jobs go back to ready, its tubes are released."""
-        if client.closed:
-            return
-        client.closed = True
-        if client.producer:
-            self.producers -= 1
-        if client.worker:
-            self.workers -= 1
-        self.cur_conns -= 1
-        self._stop_waiting(client)
-        if client.reserved:
-            now = self.clock()
-            for job in list(client.reserved.values()):
-                self._unreserve(client, job)
-                self._enqueue(job, 0, now)
-        for tube in list(client.watch.items):
-            tube.watching -= 1
-            self._unref(tube)
-        client.watch.items.clear()
-        client.use.using -= 1
-        self._unref(client.use)
-        client.deadlines.clear()
 
     def _set_producer(self, client: Client) -> None:
         if not client.producer:
@@ -371,32 +335,7 @@ class Queue:
         tube = cast(Tube, owner)
         return tube.pause != 0 and tube.unpause_at == when  # TUBE_UNPAUSE
 
-    def next_deadline(self) -> int | None:
-        """When :meth:`tick` next has work to do (clock nanoseconds), or None."""
-        return self.timers.next_deadline()
 
-    def tick(self) -> None:
-        """Do everything that has come due: delayed jobs, TTR expiries, reserve timeouts, unpauses."""
-        now = self.clock()
-        for _when, kind, owner in self.timers.pop_due(now):
-            if kind == DELAYED_READY:
-                job = cast(Job, owner)
-                self._remove_delayed(job)
-                self._enqueue(job, 0, now)
-            elif kind == TTR_EXPIRY:
-                job = cast(Job, owner)
-                self.timeout_ct += 1
-                job.timeouts += 1
-                self._unreserve(cast(Client, job.reserver), job)
-                self._enqueue(job, 0, now)
-                self.listener.job_updated(job)
-            elif kind == CLIENT_TICK:
-                self._client_tick(cast(Client, owner), now)
-            else:
-                cast(Tube, owner).pause = 0
-                if self.waiting_ct:
-                    self._process_queue(now)
-        self.timers.compact(len(self.jobs) + self.cur_conns + len(self.tubes))
 
     def _client_tick(self, client: Client, now: int) -> None:
         if self._deadline_soon(client, now):
@@ -407,12 +346,6 @@ class Queue:
             self._stop_waiting(client)
             client.deliver(p.TIMED_OUT)
 
-    def hangup(self, client: Client) -> None:
-        """The client half-closed while blocked in reserve: beanstalkd answers TIMED_OUT."""
-        if client.waiting:
-            client.pending_timeout = -1
-            self._stop_waiting(client)
-            client.deliver(p.TIMED_OUT)
 
     # -- commands ------------------------------------------------------------------------
     def allocate_id(self) -> int:
@@ -494,7 +427,7 @@ class Queue:
         return False
 
     def _client_ready(self, client: Client) -> bool:
-        for tube in client.watch.items:
+        for tube in client.watch.items:  # noqa: SIM110 - a loop, not a generator, on the reserve path
             if tube.ready_count:
                 return True
         return False
@@ -531,21 +464,6 @@ class Queue:
         self._reserve(client, job, now)
         return job_reply(b"RESERVED", job)
 
-    def reserve_job(self, client: Client, job_id: int) -> bytes:
-        job = self.jobs.get(job_id)
-        if job is None or job.state == RESERVED or job.state == INVALID:
-            return p.NOT_FOUND
-        if self._reserve_refused(client):
-            return p.OUT_OF_MEMORY
-        if job.state == READY:
-            self._remove_ready(job)
-        elif job.state == BURIED:
-            self._remove_buried(job)
-        else:
-            self._remove_delayed(job)
-        self._set_worker(client)
-        self._reserve(client, job, self.clock())
-        return job_reply(b"RESERVED", job)
 
     def delete(self, client: Client, job_id: int) -> bytes:
         job = self.jobs.get(job_id)
@@ -574,224 +492,31 @@ class Queue:
         self._unref(tube)
         return p.DELETED
 
-    def release(self, client: Client, job_id: int, pri: int, delay: int) -> bytes:
-        job = client.reserved.get(job_id)
-        if job is None:
-            return p.NOT_FOUND
-        self._unreserve(client, job)
-        job.pri = pri
-        job.delay = delay * NS
-        job.releases += 1
-        self._enqueue(job, job.delay, self.clock())
-        self.listener.job_updated(job)
-        return p.RELEASED
 
-    def bury(self, client: Client, job_id: int, pri: int) -> bytes:
-        job = client.reserved.get(job_id)
-        if job is None:
-            return p.NOT_FOUND
-        self._unreserve(client, job)
-        job.pri = pri
-        self._bury(job)
-        self.listener.job_updated(job)
-        return p.BURIED
 
-    def touch(self, client: Client, job_id: int) -> bytes:
-        job = client.reserved.get(job_id)
-        if job is None:
-            return p.NOT_FOUND
-        job.deadline = deadline = self.clock() + job.ttr * NS
-        heapq.heappush(client.deadlines, (deadline, job_id, job))
-        self.timers.push(deadline, TTR_EXPIRY, job)
-        return p.TOUCHED
 
-    def _kick_one(self, job: Job, now: int) -> None:
-        if job.state == BURIED:
-            self._remove_buried(job)
-        else:
-            self._remove_delayed(job)
-        job.kicks += 1
-        self._enqueue(job, 0, now)
-        self.listener.job_updated(job)
 
-    def kick(self, client: Client, bound: int) -> bytes:
-        tube = client.use
-        now = self.clock()
-        kicked = 0
-        if tube.buried:
-            while kicked < bound and tube.buried:
-                self._kick_one(next(iter(tube.buried.values())), now)
-                kicked += 1
-        else:
-            while kicked < bound and tube.delayed_count:
-                job = tube.delayed_top()
-                if job is None:
-                    break
-                self._kick_one(job, now)
-                kicked += 1
-        return b"KICKED %d\r\n" % kicked
 
-    def kick_job(self, client: Client, job_id: int) -> bytes:
-        job = self.jobs.get(job_id)
-        if job is None or job.state not in (BURIED, DELAYED):
-            return p.NOT_FOUND
-        self._kick_one(job, self.clock())
-        return p.KICKED
 
-    def peek(self, client: Client, job_id: int) -> bytes:
-        job = self.jobs.get(job_id)
-        if job is None or job.state == INVALID:
-            return p.NOT_FOUND
-        return job_reply(b"FOUND", job)
 
-    def peek_ready(self, client: Client) -> bytes:
-        job = client.use.ready_top() if client.use.ready_count else None
-        return job_reply(b"FOUND", job) if job else p.NOT_FOUND
 
-    def peek_delayed(self, client: Client) -> bytes:
-        job = client.use.delayed_top() if client.use.delayed_count else None
-        return job_reply(b"FOUND", job) if job else p.NOT_FOUND
 
-    def peek_buried(self, client: Client) -> bytes:
-        buried = client.use.buried
-        return job_reply(b"FOUND", next(iter(buried.values()))) if buried else p.NOT_FOUND
 
-    def use(self, client: Client, name: str) -> bytes:
-        tube = self._tube_for_client(client, name)
-        if tube is None:
-            return p.OUT_OF_MEMORY
-        tube.refs += 1
-        old = client.use
-        old.using -= 1
-        client.use = tube
-        tube.using += 1
-        self._unref(old)
-        return b"USING %s\r\n" % name.encode()
 
-    def watch(self, client: Client, name: str) -> bytes:
-        tube = self._tube_for_client(client, name)
-        if tube is None:
-            return p.OUT_OF_MEMORY
-        if tube not in client.watch:
-            client.watch.append(tube)
-            tube.refs += 1
-            tube.watching += 1
-        return b"WATCHING %d\r\n" % len(client.watch)
 
-    def ignore(self, client: Client, name: str) -> bytes:
-        watch = client.watch
-        for tube in watch.items:
-            if tube.name == name:
-                if len(watch) < 2:
-                    return p.NOT_IGNORED
-                watch.remove(tube)
-                tube.watching -= 1
-                self._unref(tube)
-                break
-        return b"WATCHING %d\r\n" % len(watch)
 
-    def pause_tube(self, client: Client, name: str, delay: int) -> bytes:
-        tube = self.tube_by_name.get(name)
-        if tube is None:
-            return p.NOT_FOUND
-        pause = delay * NS or 1
-        tube.unpause_at = self.clock() + pause
-        tube.pause = pause
-        tube.pause_count += 1
-        self.timers.push(tube.unpause_at, TUBE_UNPAUSE, tube)
-        return p.PAUSED
 
-    def list_tubes(self, client: Client) -> bytes:
-        return p.yaml_list(t.name for t in self.tubes.items)
 
-    def list_tube_used(self, client: Client) -> bytes:
-        return b"USING %s\r\n" % client.use.name.encode()
 
-    def list_tubes_watched(self, client: Client) -> bytes:
-        return p.yaml_list(t.name for t in client.watch.items)
 
     # -- recovery (broker.queue_restore) ------------------------------------------------------------
-    def tube(self, name: str) -> Tube:
-        """The tube of that name, made if needed (no client reference taken)."""
-        return self._tube(name)
 
-    def restore_buried(self, job: Job) -> None:
-        """A recovered buried job goes to the end of its tube's buried list (not a new bury)."""
-        self._bury(job)
-        job.buries -= 1
 
-    def serve_waiting(self) -> None:
-        """Hand ready jobs to clients blocked in reserve, if any (after a bulk restore)."""
-        if self.waiting_ct:
-            self._process_queue(self.clock())
 
     # -- replication apply (used by broker.replication.follower) ---------------------------------
     # A replica changes its queue only through these, from the leader's log records; each tells
     # the listener (the replica's own binlog) as a command would.
-    def apply_job(self, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes,
-                  state: int, deadline: int, created: int, counters: tuple[int, int, int, int, int]) -> None:
-        """A full job record: create the job, or (a compaction or snapshot copy) set its state."""
-        if job_id in self.jobs:
-            self.apply_state(job_id, state, pri, delay_ns, deadline, counters)
-            return
-        tube = self._tube(tube_name)
-        job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
-        job.set_counters(counters)
-        self.listener.job_put(job)  # may raise StorageFull: nothing was changed yet
-        tube.refs += 1
-        self.jobs[job_id] = job
-        self.held_bytes += len(body)
-        if job_id >= self.next_id:
-            self.next_id = job_id + 1
-        self._place(job, state, deadline)
-        if job.state == BURIED or job.reserves or job.rare is not None:
-            self.listener.job_updated(job)
 
-    def apply_state(self, job_id: int, state: int, pri: int, delay_ns: int, deadline: int,
-                    counters: tuple[int, int, int, int, int]) -> None:
-        """A job's new state (release, bury, kick, timeout, reserve on the leader); unknown ids are ignored."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return
-        self._detach(job)
-        job.pri = pri
-        job.delay = delay_ns
-        job.rare = None
-        job.set_counters(counters)
-        self._place(job, state, deadline)
-        self.listener.job_updated(job)
 
-    def apply_delete(self, job_id: int) -> None:
-        job = self.jobs.get(job_id)
-        if job is None:
-            return
-        self._detach(job)
-        tube = job.tube
-        tube.total_deletes += 1
-        job.state = INVALID
-        del self.jobs[job_id]
-        self.held_bytes -= len(job.body)
-        self.listener.job_deleted(job)
-        self._unref(tube)
 
-    def _place(self, job: Job, state: int, deadline: int) -> None:
-        """Queue an applied job in its state; reserved on the leader is ready here (as after a restart)."""
-        now = self.clock()
-        if state == BURIED:
-            self.restore_buried(job)  # the record's count already includes this bury
-        elif state == DELAYED and deadline > now:
-            self._enqueue(job, deadline - now, now)
-        else:
-            self._enqueue(job, 0, now)
 
-    def _detach(self, job: Job) -> None:
-        """Take a job out of whatever structure holds it (its state says which)."""
-        state = job.state
-        if state == READY:
-            self._remove_ready(job)
-        elif state == DELAYED:
-            self._remove_delayed(job)
-        elif state == BURIED:
-            self._remove_buried(job)
-        elif state == RESERVED and job.reserver is not None:
-            self._unreserve(job.reserver, job)

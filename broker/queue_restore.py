@@ -10,6 +10,7 @@ import heapq
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from broker import queue_apply
 from broker.queue import BURIED, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
 from broker.timers import DELAYED_READY
 
@@ -46,7 +47,7 @@ def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
     for job_id, tube_name, pri, delay_ns, ttr_ns, body, state, deadline, created, counters, file in records:
         tube = tubes.get(tube_name)
         if tube is None:
-            tube = tubes[tube_name] = queue.tube(tube_name)
+            tube = tubes[tube_name] = queue_apply.tube(queue, tube_name)
         job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
         job.set_counters(counters)
         job.file = file
@@ -56,7 +57,7 @@ def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
         n += 1
         max_id = max(max_id, job_id)
         if state == BURIED:
-            queue.restore_buried(job)
+            queue_apply.restore_buried(queue, job)
         elif state == DELAYED and deadline > now:
             job.deadline = deadline
             job.entry = entry = (deadline, job_id, job)
@@ -82,5 +83,5 @@ def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
     queue.urgent_ct += urgent
     queue.delayed_ct += delayed
     queue.next_id = max(queue.next_id, max_id + 1)
-    queue.serve_waiting()
+    queue_apply.serve_waiting(queue)
     return n

@@ -76,11 +76,16 @@ class BrokerServer:
         tls_ctx = tls.server_context() if tls is not None else None
         # Our protocol sees a TLS connection only once its handshake is done, so limits and
         # the idle sweep cannot see one that never starts it: bound that wait instead.
-        handshake: dict[str, Any] = {"ssl_handshake_timeout": config.limits.idle_timeout or 10.0} if tls is not None else {}
+        handshake: dict[str, Any] = {}
+        if tls is not None:
+            handshake["ssl_handshake_timeout"] = config.limits.idle_timeout or 10.0
         main_ctx = tls_ctx if tls is not None and tls.port is None else None
         listen = config.listen
         state = self.state
-        factory = lambda: BrokerConnection(state)
+
+        def factory() -> BrokerConnection:
+            return BrokerConnection(state)
+
         if listen.startswith("unix:"):
             path = listen[5:]
             if os.path.exists(path):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from broker import protocol as p
-from broker import security
+from broker import queue_timers, security
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Queue
 from broker.timers import NEVER
@@ -64,7 +64,7 @@ class LoopTimer:
             timers.earliest_pushed = NEVER
             return
         timers.earliest_pushed = NEVER
-        when = self.queue.next_deadline()
+        when = queue_timers.next_deadline(self.queue)
         if when is None or when >= self.when:
             return
         if self._handle is not None:
@@ -76,7 +76,7 @@ class LoopTimer:
     def _fire(self) -> None:
         self._handle = None
         self.when = NEVER
-        self.queue.tick()
+        queue_timers.tick(self.queue)
         self.queue.timers.earliest_pushed = 0  # whatever is left is due later: look again
         self.reschedule()
 

@@ -11,8 +11,7 @@ cd "$(dirname "$0")/.."
 # Checked by both ruff and mypy --strict.
 CHECKED=(
   beanstalk_rules
-  broker/replication
-  broker/security.py
+  broker
   spark_beanstalk/__init__.py
   spark_beanstalk/embedded.py
   spark_beanstalk/options.py

@@ -10,10 +10,11 @@ import os
 import zlib
 
 import pytest
+from test_binlog_helpers import Harness, segment_files
 
 from broker import binlog_format as fmt
+from broker import queue_verbs
 from broker.binlog import BinlogError, open_binlog
-from test_binlog_helpers import Harness, segment_files
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,7 +84,7 @@ def test_every_state_and_counter_survives_a_crash(tmp_path):
     kicked = h.put(b"kicked")
     h.reserve(kicked)
     h.do("bury", kicked, 3)
-    h.queue.use(h.client, "default")
+    queue_verbs.use(h.queue, h.client, "default")
     assert h.do("kick_job", kicked) == b"KICKED\r\n"
     released = h.put(b"released")
     h.reserve(released)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+from broker import queue_verbs
 from broker.binlog import Binlog, open_binlog
 from broker.queue import Queue
 from spark_beanstalk.client import Connection
@@ -29,31 +30,35 @@ class Harness:
         self.log: Binlog = open_binlog(directory, **self.args)
         self.queue = Queue(time.monotonic_ns, listener=self.log)
         self.log.recover(self.queue)
-        self.client = self.queue.connect(lambda reply: None)
+        self.client = queue_verbs.connect(self.queue, lambda reply: None)
 
     def sync(self) -> None:
         self.log.sync_point()
 
     def put(self, body: bytes, pri: int = 100, delay: int = 0, ttr: int = 60, tube: str = "default") -> int:
         if self.client.use.name != tube:
-            self.queue.use(self.client, tube)
+            queue_verbs.use(self.queue, self.client, tube)
         reply = self.queue.put(self.client, pri, delay, ttr, body)
         self.sync()
         assert reply.startswith(b"INSERTED"), reply
         return int(reply.split()[1])
 
     def reserve(self, job_id: int) -> None:
-        assert self.queue.reserve_job(self.client, job_id).startswith(b"RESERVED")
+        assert queue_verbs.reserve_job(self.queue, self.client, job_id).startswith(b"RESERVED")
         self.sync()
 
     def do(self, method: str, *args) -> bytes:
-        reply = getattr(self.queue, method)(self.client, *args)
+        verb = getattr(queue_verbs, method, None)  # release, bury, kick_job...: functions over the queue
+        if verb is not None:
+            reply = verb(self.queue, self.client, *args)
+        else:
+            reply = getattr(self.queue, method)(self.client, *args)
         self.sync()
         return reply
 
     def state(self) -> dict[int, tuple]:
         """id -> (state name, tube, pri, body, releases, buries, kicks, timeouts)."""
-        from broker.queue import STATE_NAMES, RESERVED
+        from broker.queue import RESERVED, STATE_NAMES
         out = {}
         for job in self.queue.jobs.values():
             state = "ready" if job.state == RESERVED else STATE_NAMES[job.state]

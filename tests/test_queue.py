@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from broker import protocol as p
+from broker import queue_timers, queue_verbs
 from broker import stats as broker_stats
 from broker.queue import NS, Queue
 
@@ -24,7 +25,7 @@ class Conn:
 
     def __init__(self, queue: Queue) -> None:
         self.later: list[bytes] = []
-        self.client = queue.connect(self.later.append)
+        self.client = queue_verbs.connect(queue, self.later.append)
         self.queue = queue
 
     def put(self, body: bytes = b"x", pri: int = 0, delay: int = 0, ttr: int = 60) -> int:
@@ -72,11 +73,11 @@ def test_delay_becomes_ready_on_tick(queue, clock):
     jid = c.put(delay=5)
     assert queue.reserve(c.client, 0) is None and c.later.pop() == p.TIMED_OUT
     clock.advance(4.9)
-    queue.tick()
-    assert queue.peek_ready(c.client) == p.NOT_FOUND
+    queue_timers.tick(queue)
+    assert queue_verbs.peek_ready(queue, c.client) == p.NOT_FOUND
     clock.advance(0.2)
-    queue.tick()
-    assert job_id(queue.peek_ready(c.client)) == jid
+    queue_timers.tick(queue)
+    assert job_id(queue_verbs.peek_ready(queue, c.client)) == jid
 
 
 def test_ttr_expiry_returns_job_and_counts_timeout(queue, clock):
@@ -84,7 +85,7 @@ def test_ttr_expiry_returns_job_and_counts_timeout(queue, clock):
     jid = c.put(ttr=2)
     c.reserve()
     clock.advance(2.1)
-    queue.tick()
+    queue_timers.tick(queue)
     stats = broker_stats.stats_job(queue, c.client, jid)
     assert b"state: ready" in stats and b"timeouts: 1" in stats
     assert queue.timeout_ct == 1
@@ -96,8 +97,8 @@ def test_touch_postpones_ttr(queue, clock):
     c.reserve()
     for _ in range(5):
         clock.advance(1.5)
-        assert queue.touch(c.client, jid) == p.TOUCHED
-        queue.tick()
+        assert queue_verbs.touch(queue, c.client, jid) == p.TOUCHED
+        queue_timers.tick(queue)
     assert b"state: reserved" in broker_stats.stats_job(queue, c.client, jid)
 
 
@@ -120,10 +121,10 @@ def test_blocked_reserve_gets_deadline_soon_when_margin_reached(queue, clock):
     c.reserve()
     assert queue.reserve(c.client, -1) is None
     clock.advance(3.9)
-    queue.tick()
+    queue_timers.tick(queue)
     assert c.later == []
     clock.advance(0.2)
-    queue.tick()
+    queue_timers.tick(queue)
     assert c.later == [p.DEADLINE_SOON]
 
 
@@ -138,10 +139,10 @@ def test_reserve_with_timeout_times_out(queue, clock):
     c = Conn(queue)
     assert queue.reserve(c.client, 3) is None
     clock.advance(2.9)
-    queue.tick()
+    queue_timers.tick(queue)
     assert c.later == []
     clock.advance(0.2)
-    queue.tick()
+    queue_timers.tick(queue)
     assert c.later == [p.TIMED_OUT]
 
 
@@ -150,8 +151,8 @@ def test_only_reserver_may_delete_release_touch(queue):
     jid = owner.put()
     owner.reserve()
     assert queue.delete(other.client, jid) == p.NOT_FOUND
-    assert queue.release(other.client, jid, 0, 0) == p.NOT_FOUND
-    assert queue.touch(other.client, jid) == p.NOT_FOUND
+    assert queue_verbs.release(queue, other.client, jid, 0, 0) == p.NOT_FOUND
+    assert queue_verbs.touch(queue, other.client, jid) == p.NOT_FOUND
     assert queue.delete(owner.client, jid) == p.DELETED
 
 
@@ -159,7 +160,7 @@ def test_disconnect_releases_reserved_jobs(queue):
     owner, other = Conn(queue), Conn(queue)
     jid = owner.put()
     owner.reserve()
-    queue.disconnect(owner.client)
+    queue_verbs.disconnect(queue, owner.client)
     assert job_id(other.reserve()) == jid
 
 
@@ -168,46 +169,46 @@ def test_kick_prefers_buried_over_delayed(queue):
     delayed = c.put(delay=100)
     buried = c.put()
     c.reserve()
-    assert queue.bury(c.client, buried, 5) == p.BURIED
-    assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
+    assert queue_verbs.bury(queue, c.client, buried, 5) == p.BURIED
+    assert queue_verbs.kick(queue, c.client, 10) == b"KICKED 1\r\n"
     assert b"state: delayed" in broker_stats.stats_job(queue, c.client, delayed)
-    assert queue.kick(c.client, 10) == b"KICKED 1\r\n"
+    assert queue_verbs.kick(queue, c.client, 10) == b"KICKED 1\r\n"
     assert b"state: ready" in broker_stats.stats_job(queue, c.client, delayed)
 
 
 def test_pause_tube_holds_reservations_until_unpaused(queue, clock):
     c = Conn(queue)
     jid = c.put()
-    assert queue.pause_tube(c.client, "default", 10) == p.PAUSED
+    assert queue_verbs.pause_tube(queue, c.client, "default", 10) == p.PAUSED
     assert queue.reserve(c.client, -1) is None
     clock.advance(10.1)
-    queue.tick()
+    queue_timers.tick(queue)
     assert job_id(c.later.pop()) == jid
 
 
 def test_tube_removed_when_unreferenced(queue):
     c = Conn(queue)
-    queue.use(c.client, "emails")
+    queue_verbs.use(queue, c.client, "emails")
     jid = c.put()
-    queue.use(c.client, "default")
-    assert b"- emails" in queue.list_tubes(c.client)
-    c.reserve_owner = queue.watch(c.client, "emails")
+    queue_verbs.use(queue, c.client, "default")
+    assert b"- emails" in queue_verbs.list_tubes(queue, c.client)
+    c.reserve_owner = queue_verbs.watch(queue, c.client, "emails")
     queue.delete(c.client, jid)
-    queue.ignore(c.client, "emails")
-    assert b"- emails" not in queue.list_tubes(c.client)
+    queue_verbs.ignore(queue, c.client, "emails")
+    assert b"- emails" not in queue_verbs.list_tubes(queue, c.client)
 
 
 def test_ignore_last_tube_refused(queue):
     c = Conn(queue)
-    assert queue.ignore(c.client, "default") == p.NOT_IGNORED
+    assert queue_verbs.ignore(queue, c.client, "default") == p.NOT_IGNORED
 
 
 def test_reserve_job_takes_a_specific_job(queue):
     c = Conn(queue)
     c.put(b"a")
     b_id = c.put(b"b")
-    assert queue.reserve_job(c.client, b_id) == b"RESERVED %d 1\r\nb\r\n" % b_id
-    assert queue.reserve_job(c.client, b_id) == p.NOT_FOUND
+    assert queue_verbs.reserve_job(queue, c.client, b_id) == b"RESERVED %d 1\r\nb\r\n" % b_id
+    assert queue_verbs.reserve_job(queue, c.client, b_id) == p.NOT_FOUND
 
 
 def test_blocked_reservers_served_in_arrival_order(queue):

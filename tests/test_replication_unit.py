@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker import queue_verbs
 from broker.queue import Queue
 from broker.replication import wire
 from broker.replication.follower import Applier, Position
@@ -62,17 +63,17 @@ def _attach(source: ReplicationSource, pos: Position) -> Sink:
 
 
 def _workload(queue: Queue) -> None:
-    c = queue.connect(lambda _r: None)
-    queue.use(c, "emails")
+    c = queue_verbs.connect(queue, lambda _r: None)
+    queue_verbs.use(queue, c, "emails")
     for i in range(6):
         queue.put(c, i, 0, 60, b"job-%d" % i)
-    queue.watch(c, "emails")
+    queue_verbs.watch(queue, c, "emails")
     queue.delete(c, 1)
     for _ in range(2):
         queue.reserve(c, 0)
-    queue.bury(c, 2, 7)
-    queue.release(c, 3, 99, 30)  # delayed 30 s
-    queue.kick_job(c, 2)
+    queue_verbs.bury(queue, c, 2, 7)
+    queue_verbs.release(queue, c, 3, 99, 30)  # delayed 30 s
+    queue_verbs.kick_job(queue, c, 2)
     queue.reserve(c, 0)  # stays reserved on the leader: ready on the replica
 
 
@@ -100,10 +101,10 @@ def test_replica_ends_in_the_leaders_state_and_replay_is_harmless():
 
 def test_snapshot_drops_jobs_the_leader_does_not_have():
     leader, source = _leader(epoch=9)
-    c = leader.connect(lambda _r: None)
+    c = queue_verbs.connect(leader, lambda _r: None)
     ids = [int(leader.put(c, 0, 0, 60, b"x%d" % i).split()[1]) for i in range(3)]
     replica = Queue(Clock())
-    stale = replica.connect(lambda _r: None)
+    stale = queue_verbs.connect(replica, lambda _r: None)
     for i in range(5):
         replica.put(stale, 0, 0, 60, b"old%d" % i)  # ids 1..5, from an older history
     applier = Applier(replica, Position(4, 77))
@@ -117,7 +118,7 @@ def test_snapshot_drops_jobs_the_leader_does_not_have():
 def test_out_of_order_and_older_epochs_are_refused():
     leader, source = _leader(epoch=3)
     sink = _attach(source, Position())
-    c = leader.connect(lambda _r: None)
+    c = queue_verbs.connect(leader, lambda _r: None)
     leader.put(c, 0, 0, 60, b"a")
     leader.put(c, 0, 0, 60, b"b")
     source.sync_point()
@@ -133,7 +134,7 @@ def test_out_of_order_and_older_epochs_are_refused():
 
 def test_backlog_serves_a_replica_in_the_same_epoch():
     leader, source = _leader()
-    c = leader.connect(lambda _r: None)
+    c = queue_verbs.connect(leader, lambda _r: None)
     for i in range(10):
         leader.put(c, 0, 0, 60, b"%d" % i)
     sink = _attach(source, Position(5, 4))
@@ -147,7 +148,7 @@ def test_replaying_a_put_and_its_delete_recreates_and_deletes_the_job():
     same heap key as its stale entry (a different Job object), and goes again."""
     leader, source = _leader()
     sink = _attach(source, Position())
-    c = leader.connect(lambda _r: None)
+    c = queue_verbs.connect(leader, lambda _r: None)
     leader.put(c, 5, 0, 60, b"gone")
     leader.put(c, 5, 0, 60, b"kept")
     leader.delete(c, 1)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker import logs
+from broker import logs, queue_apply
 from broker.queue import Queue
 from broker.replication import wire
 
@@ -67,7 +67,6 @@ class Applier:
         self.snapshot: set[int] | None = None
         self.leader_head = pos.seq
         self.caught_up_at = time.monotonic()
-        self.snapshots = 0
 
     def lag_records(self) -> int:
         return max(0, self.leader_head - self.pos.seq)
@@ -114,22 +113,21 @@ class Applier:
         queue = self.queue
         if isinstance(fields, wire.JobFields):
             deadline = fields.deadline - off if fields.deadline else 0
-            queue.apply_job(fields.id, fields.tube, fields.pri, fields.delay, fields.ttr, fields.body, fields.state,
-                            deadline, fields.created - off, fields.counters)
+            queue_apply.apply_job(queue, fields.id, fields.tube, fields.pri, fields.delay, fields.ttr, fields.body,
+                                  fields.state, deadline, fields.created - off, fields.counters)
             return fields.id
         if isinstance(fields, wire.UpdateFields):
             deadline = fields.deadline - off if fields.deadline else 0
-            queue.apply_state(fields.id, fields.state, fields.pri, fields.delay, deadline, fields.counters)
+            queue_apply.apply_state(queue, fields.id, fields.state, fields.pri, fields.delay, deadline, fields.counters)
             return fields.id
-        queue.apply_delete(fields)
+        queue_apply.apply_delete(queue, fields)
         return fields
 
     def _end_snapshot(self, m: wire.Message) -> None:
         keep = self.snapshot or set()
         for job_id in [i for i in self.queue.jobs if i not in keep]:
-            self.queue.apply_delete(job_id)
+            queue_apply.apply_delete(self.queue, job_id)
         self.snapshot = None
-        self.snapshots += 1
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = m.seq
         self._bump_next_id(m.payload)

@@ -6,6 +6,7 @@ in `spark_beanstalk.embedded` so that jobs/ and bench/ share them too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -174,7 +175,7 @@ class ReplicaSet:
                     wait_until(self.leader, 15, what="the first member leads")
             leader = self.members[0]
             for m in self.members[1:]:
-                wait_until(lambda m=m: self.caught_up(leader, m), 15, what="replicas joined")
+                wait_until(functools.partial(self.caught_up, leader, m), 15, what="replicas joined")
         except BaseException:
             self.stop()
             raise

@@ -18,6 +18,7 @@ See docs/writer.md for the options and the precise delivery guarantee.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import decimal
 import hashlib
@@ -31,6 +32,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
@@ -387,6 +396,17 @@ class _HostPool:
         return "; ".join(parts)
 
 
+@dataclass
+class _Tally:
+    """What the replies of one pipelined run said (PartitionWriter._read_replies)."""
+
+    retry: list[Entry] = field(default_factory=list)
+    wrong_tube_ids: list[int] = field(default_factory=list)
+    put_here: int = 0
+    draining: bool = False
+    lost: str | None = None
+
+
 class PartitionWriter:
     """Validates then puts the rows of one partition. Returns a summary dict."""
 
@@ -540,6 +560,34 @@ class PartitionWriter:
                 self._reassign(retry, pending)
 
     def _send_to(self, h: int, conn: Connection, entries: list[Entry]) -> list[Entry]:
+        """Pipeline the rows' puts on one connection; returns the rows to send again elsewhere."""
+        cmds, owners = self._commands(h, entries)
+        lost = None
+        try:
+            replies = conn.pipeline_lines(cmds, window=self.opts.window)
+        except ConnectionLost as exc:
+            replies = exc.replies
+            lost = f"connection lost: {exc}"
+        address = self.pool.addresses[h]
+        tally = self._read_replies(h, address, owners, replies)
+        lost = lost or tally.lost
+        self.put += tally.put_here
+        if tally.put_here:
+            self.per_host[address] = self.per_host.get(address, 0) + tally.put_here
+        if tally.wrong_tube_ids and h in self.pool.conns:
+            # undo jobs that landed in the previously used tube
+            with contextlib.suppress(ConnectionLost):
+                conn.pipeline_lines([b"delete %d\r\n" % j for j in tally.wrong_tube_ids], window=self.opts.window)
+        if tally.draining:
+            self.pool.drop(h, "DRAINING (the server is in drain mode)")
+        elif lost:
+            self.pool.drop(h, lost)
+        if self._resync:
+            self.pool.down.pop(h, None)           # not down: only this connection is unusable
+        return tally.retry
+
+    def _commands(self, h: int, entries: list[Entry]) -> tuple[list[bytes], list[Entry | str]]:
+        """The put lines, with a `use` before each change of tube; `owners` says what each line is."""
         entries.sort(key=lambda e: e[1])           # stable: row order kept within a tube
         cmds: list[bytes] = []
         owners: list[Entry | str] = []
@@ -551,24 +599,17 @@ class PartitionWriter:
                 owners.append(cur)
             cmds.append(e[2])
             owners.append(e)
-        lost = None
-        try:
-            replies = conn.pipeline_lines(
-                cmds, window=self.opts.window)
-        except ConnectionLost as exc:
-            replies = getattr(exc, "replies", [])
-            lost = f"connection lost: {exc}"
-        address = self.pool.addresses[h]
-        retry: list[Entry] = []
-        draining = False
+        return cmds, owners
+
+    def _read_replies(self, h: int, address: str, owners: list[Entry | str], replies: list[bytes]) -> _Tally:
+        """Match each reply to its line: count puts, collect rows to retry and rows that failed."""
+        tally = _Tally()
         bad_use = None                           # rows after a refused `use` went to the wrong tube
-        wrong_tube_ids: list[int] = []
         n_replies = len(replies)
-        put_here = 0
         for i, owner in enumerate(owners):
             if i >= n_replies:
                 if isinstance(owner, tuple):
-                    retry.append(owner)
+                    tally.retry.append(owner)
                 continue
             line = replies[i]
             if not isinstance(owner, tuple):     # a `use` line
@@ -580,44 +621,28 @@ class PartitionWriter:
                 continue
             if line.startswith((b"INSERTED", b"BURIED")):
                 if bad_use is not None:
-                    wrong_tube_ids.append(int(line.split()[1]))
+                    tally.wrong_tube_ids.append(int(line.split()[1]))
                     self.failures.append(self._failure(owner, bad_use))
                     continue
-                put_here += 1
+                tally.put_here += 1
                 if line[0:1] == b"B":
                     self.buried += 1
                 self.per_tube[owner[1]] = self.per_tube.get(owner[1], 0) + 1
             elif line == b"DRAINING":
-                draining = True
-                retry.append(owner)
+                tally.draining = True
+                tally.retry.append(owner)
             elif line == b"OUT_OF_MEMORY":
-                retry.append(owner)
-                lost = lost or f"OUT_OF_MEMORY from {address}"
+                tally.retry.append(owner)
+                tally.lost = tally.lost or f"OUT_OF_MEMORY from {address}"
             else:
                 self.failures.append(self._failure(owner, f"{address} answered {line.decode('latin-1')}"))
                 if line in _DESYNC_REPLIES:
                     # after BAD_FORMAT / EXPECTED_CRLF the server reads the body as a command, so
                     # the following replies no longer match our commands: stop reading them
                     self._resync = [o for o in owners[i + 1:] if isinstance(o, tuple)]
-                    lost = lost or f"{address} answered {line.decode('latin-1')} (reply stream out of step)"
+                    tally.lost = tally.lost or f"{address} answered {line.decode('latin-1')} (reply stream out of step)"
                     break
-        self.put += put_here
-        if put_here:
-            self.per_host[address] = self.per_host.get(address, 0) + put_here
-        if wrong_tube_ids and h in self.pool.conns:
-            # undo jobs that landed in the previously used tube
-            try:
-                conn.pipeline_lines(
-                    [b"delete %d\r\n" % j for j in wrong_tube_ids], window=self.opts.window)
-            except ConnectionLost:
-                pass
-        if draining:
-            self.pool.drop(h, "DRAINING (the server is in drain mode)")
-        elif lost:
-            self.pool.drop(h, lost)
-        if self._resync:
-            self.pool.down.pop(h, None)           # not down: only this connection is unusable
-        return retry
+        return tally
 
     def _failure(self, entry: Entry, reason: str) -> RowFailure:
         cmd = entry[2]
@@ -970,7 +995,8 @@ def _clean_error(exc: Exception) -> Exception:
     """Surface our message from a PythonException's traceback text, keeping the original chained."""
     text = str(exc)
     for cls in (BeanstalkUnavailableError, BeanstalkWriteError):
-        marker = f"{cls.__module__}.{cls.__name__}: " if f"{cls.__module__}.{cls.__name__}: " in text else f"{cls.__name__}: "
+        qualified = f"{cls.__module__}.{cls.__name__}: "
+        marker = qualified if qualified in text else f"{cls.__name__}: "
         pos = text.rfind(marker)
         if pos >= 0:
             message = text[pos + len(marker):].strip()
@@ -996,13 +1022,6 @@ beanstalk_put = BeanstalkPut()
 # --------------------------------------------------------------------------------------
 # Python Data Source writers (called by spark_beanstalk/datasource.py)
 # --------------------------------------------------------------------------------------
-from pyspark.sql.datasource import (
-    DataSourceArrowWriter,
-    DataSourceStreamArrowWriter,
-    DataSourceStreamWriter,
-    DataSourceWriter,
-    WriterCommitMessage,
-)
 
 
 @dataclass

@@ -8,6 +8,7 @@ importing them, so the two cannot drift.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class AsyncConnection:
             reader, writer = await asyncio.wait_for(opener(), timeout)
         except ssl.SSLError as exc:
             raise ConnectionLost("TLS_FAILED", "connect", f"TLS handshake with {address} failed: {exc}") from exc
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise ConnectionLost("UNREACHABLE", "connect", f"cannot connect to {address}: {exc or 'timeout'}") from exc
         conn = cls(reader, writer, address, timeout)
         if token is not None:
@@ -75,10 +76,8 @@ class AsyncConnection:
             return
         self.closed = True
         self.writer.close()
-        try:
+        with contextlib.suppress(OSError, asyncio.CancelledError):
             await self.writer.wait_closed()
-        except (OSError, asyncio.CancelledError):
-            pass
 
     async def call(self, line: str | bytes, body: bytes | None = None) -> Reply:
         return await self.raw(encode(line, body), line)
@@ -91,7 +90,7 @@ class AsyncConnection:
             try:
                 self.writer.write(data)
                 return await asyncio.wait_for(self._read_reply(), self.timeout)
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError) as exc:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 self.closed = True
                 self.writer.close()
                 raise ConnectionLost("LOST", str(what), f"lost {self.address}: {exc or 'timeout'}") from exc

@@ -7,6 +7,7 @@ reservation. It speaks only the wire protocol; it knows nothing of Spark.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import ssl
@@ -252,10 +253,8 @@ class Connection:
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
     def __enter__(self) -> Self:
         return self

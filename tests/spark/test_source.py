@@ -293,13 +293,16 @@ def test_available_now_drains_and_stops(spark, server, conn_factory, tmp_path):
             late_ids.extend(put_jobs(late_conn, "an", [b"late"] * 10))
 
     rec = BatchRecorder(hook)
-    df = reader(spark, hosts=server.address, tubes="an", maxJobsPerTrigger=30)
+    # minJobsPerTrigger/maxTriggerDelay do not apply under AvailableNow: the last batch (10 jobs)
+    # must not wait an hour for 35.
+    df = reader(spark, hosts=server.address, tubes="an", maxJobsPerTrigger=40, minJobsPerTrigger=35,
+                maxTriggerDelay="1h")
     query = (df.writeStream.foreachBatch(rec).option("checkpointLocation", str(tmp_path / "ckpt"))
              .trigger(availableNow=True).start())
     assert query.awaitTermination(90), "AvailableNow query did not stop by itself"
     assert query.exception() is None
     assert sorted(r[2] for r in rec.rows()) == ids
-    assert len(rec.batches) >= 3 and max(len(rows) for _, rows in rec.batches) <= 30
+    assert len(rec.batches) >= 3 and max(len(rows) for _, rows in rec.batches) <= 40
     assert len(late_ids) == 10
     assert tube_counts(conn, "an") == {"ready": 10, "reserved": 0, "delayed": 0, "buried": 0}
     assert all(job_state(conn, i) is None for i in ids)

@@ -376,6 +376,40 @@ def test_reader_restart_after_commit_deletes_the_committed_batch(server, conn_fa
 
 
 @pytest.mark.timeout(60)
+def test_reader_restart_after_partial_delete_deletes_the_rest(server, conn_factory):
+    """The previous run died half-way through deleting committed batch 1: blocks of 64 ids with
+    some jobs gone fail their digest, yet the rest are still ours and are deleted, not read again."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
+
+    conn = conn_factory(server)
+    # ids are judged by "broker up since before the batch was reserved", in whole seconds
+    wait_until(lambda: int(conn.stats()["uptime"]) >= 3, 10, what="the broker up for 3 s")
+    ids = put_jobs(conn, "pd", [b"pd%d" % i for i in range(150)])        # blocks of 64, 64, 22
+    opts = SourceOptions.parse({"hosts": server.address, "tubes": "pd", "prefetch": "false"})
+    a = BeanstalkStreamReader(opts, SCHEMA)
+    start = a.initialOffset()
+    end = a.latestOffset(start, ReadMaxRows(1000))
+    assert decode_ranges(end["jobs"][server.address]["ids"]) == ids
+    _crash(a)
+    wait_until(lambda: tube_counts(conn, "pd")["ready"] == 150, 10, what="the crashed reader's jobs released")
+    gone = ids[10:40] + ids[100:110]             # deleted before the crash: two blocks partly
+    assert all(conn.delete(j) for j in gone)
+    more = put_jobs(conn, "pd", [b"new%d" % i for i in range(5)])
+
+    b = BeanstalkStreamReader(opts, SCHEMA)
+    try:
+        nxt = b.latestOffset(end, ReadMaxRows(1000))
+        assert decode_ranges(nxt["jobs"][server.address]["ids"]) == more, "committed jobs read again"
+        assert all(job_state(conn, i) is None for i in ids)
+        report = b.reportLatestOffset()
+        assert (report["cleaned"], report["lost_to_restart"]) == (110, 0)
+    finally:
+        b.stop()
+
+
+@pytest.mark.timeout(60)
 def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""
     from pyspark.sql.streaming.datasource import ReadMaxRows

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_beanstalk.brokers import BrokerLink
-from spark_beanstalk.client import ConnectionLost, parse_yaml
+from spark_beanstalk.client import Connection, ConnectionLost, parse_yaml
 
-__all__ = ["Lag", "TubeLag"]
+__all__ = ["Lag", "TubeLag", "tube_lag"]
 
 _AGE = re.compile(rb"\nage: (\d+)")
 
@@ -55,7 +55,7 @@ class Lag:
                 if b.control is None:
                     continue
                 try:
-                    self.per_broker[b.address] = _ask(b, self.tubes)
+                    self.per_broker[b.address] = tube_lag(b.control, self.tubes)
                 except ConnectionLost as exc:
                     b.reset(exc)
                     continue
@@ -78,13 +78,16 @@ class Lag:
         }
 
 
-def _ask(b: BrokerLink, tubes: Sequence[str]) -> dict[str, TubeLag]:
-    """Two pipelined round trips on the control connection (the caller holds b.lock)."""
-    assert b.control is not None
+def tube_lag(conn: Connection, tubes: Sequence[str]) -> dict[str, TubeLag]:
+    """The lag of each tube, in two pipelined round trips (`conn` uses "default" afterwards).
+
+    The one rule for the source's progress and ``spark-beanstalk top``.
+    """
     cmds: list[bytes] = []
     for t in tubes:
         cmds += [b"stats-tube %s\r\n" % t.encode(), b"use %s\r\n" % t.encode(), b"peek-ready\r\n"]
-    replies = b.control.pipeline_replies(cmds)
+    # back to "default": a tube exists while a connection uses it, and the last one must not linger
+    replies = conn.pipeline_replies(cmds + [b"use default\r\n"])
     out: dict[str, TubeLag] = {}
     heads: dict[str, int] = {}
     for k, t in enumerate(tubes):
@@ -97,7 +100,7 @@ def _ask(b: BrokerLink, tubes: Sequence[str]) -> dict[str, TubeLag]:
             heads[t] = int(peek_line.split()[1])
     if heads:
         names = list(heads)
-        replies = b.control.pipeline_replies([b"stats-job %d\r\n" % heads[n] for n in names])
+        replies = conn.pipeline_replies([b"stats-job %d\r\n" % heads[n] for n in names])
         for name, (_, body) in zip(names, replies, strict=True):
             match = _AGE.search(body or b"")
             if match is not None:      # None: reserved or deleted in between; age stays 0

@@ -33,6 +33,7 @@ import click
 from beanstalk_rules.hosts import parse_host_specs
 from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
+from spark_beanstalk.lag import tube_lag
 
 DEFAULT_HOST = "127.0.0.1:11300"
 HOST_ENV = "SPARK_BEANSTALK_HOST"
@@ -575,6 +576,7 @@ class TopSampler:
         if self.tube_filter:
             tubes = [t for t in tubes if t in self.tube_filter]
         tube_stats = _tube_stats(self.conn, tubes)
+        lag = tube_lag(self.conn, list(tube_stats))
         rates: dict[str, tuple[float | None, float | None]] = {}
         server_rates: dict[str, float | None] = {key: None for key in _SERVER_RATE_KEYS}
         if self.prev is not None:
@@ -591,7 +593,7 @@ class TopSampler:
                     max(0, int(st.get("cmd-delete", 0)) - int(old.get("cmd-delete", 0))) / elapsed,
                 )
         self.prev = (now, server, tube_stats)
-        return {"server": server, "server_rates": server_rates, "tubes": tube_stats, "rates": rates}
+        return {"server": server, "server_rates": server_rates, "tubes": tube_stats, "rates": rates, "lag": lag}
 
 
 def _top_json(sample: dict) -> dict:
@@ -608,6 +610,9 @@ def _top_json(sample: dict) -> dict:
             "pause_time_left": st.get("pause-time-left", 0),
             "put_rate": put_rate,
             "delete_rate": delete_rate,
+            # what a streaming query reading this tube has not reserved yet (its progress "backlog")
+            "backlog": lag.ready + lag.delayed if (lag := sample["lag"].get(name)) else None,
+            "oldest_ready_age": lag.oldest_ready_age if lag else None,
         })
     return {
         "time": time.time(),
@@ -630,6 +635,9 @@ def _top_view(address: str, sample: dict, interval: float):
                 f"jobs ready {server.get('current-jobs-ready', '?')} reserved {server.get('current-jobs-reserved', '?')} "
                 f"delayed {server.get('current-jobs-delayed', '?')} "
                 f"buried {server.get('current-jobs-buried', '?')}\n")
+    lags = sample["lag"].values()
+    head.append(f"backlog (ready+delayed, a query's lag) {sum(t.ready + t.delayed for t in lags)}  "
+                f"oldest ready {max((t.oldest_ready_age for t in lags), default=0)}s\n")
     head.append(f"put/s {_rate(rates['cmd-put'])}  reserve/s {_rate(rates['cmd-reserve'])}  "
                 f"delete/s {_rate(rates['cmd-delete'])}  (every {interval:g}s; Ctrl-C to quit)", style="dim")
     return Group(head, _tubes_table("", sample["tubes"], sample["rates"], _TOP_COLUMNS))

@@ -25,8 +25,9 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -34,6 +35,10 @@ from beanstalk_rules.hosts import parse_host_specs
 from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
 from spark_beanstalk.lag import tube_lag
+
+if TYPE_CHECKING:  # rich is imported lazily (start-up time of the CLI)
+    from rich.console import Console, Group
+    from rich.table import Table
 
 DEFAULT_HOST = "127.0.0.1:11300"
 HOST_ENV = "SPARK_BEANSTALK_HOST"
@@ -104,7 +109,7 @@ def _read_token(path: str) -> str:
 
 
 @contextlib.contextmanager
-def connect(target: "Target | str", timeout: float = 10.0) -> Iterator[Connection]:
+def connect(target: Target | str, timeout: float = 10.0) -> Iterator[Connection]:
     """A connection to the target whose failures become one-line operator errors."""
     if isinstance(target, str):
         target = Target(host=target)
@@ -132,11 +137,10 @@ def connect(target: "Target | str", timeout: float = 10.0) -> Iterator[Connectio
     except BeanstalkError as exc:  # the auth extension refused the token
         raise Unreachable(f"{address}:{port} refused the token from {target.token_file} ({exc.status})") from None
     try:
-        if token is None:
-            # A broker with token auth answers UNAUTHORIZED to everything: say so once, clearly.
-            if conn.call("list-tube-used").status == b"UNAUTHORIZED":
-                raise Unreachable(f"{address}:{port} requires authentication: pass --token-file FILE "
-                                  f"(or set ${TOKEN_ENV})")
+        # A broker with token auth answers UNAUTHORIZED to everything: say so once, clearly.
+        if token is None and conn.call("list-tube-used").status == b"UNAUTHORIZED":
+            raise Unreachable(f"{address}:{port} requires authentication: pass --token-file FILE "
+                              f"(or set ${TOKEN_ENV})")
         yield conn
     except ConnectionLost as exc:
         raise Unreachable(f"lost the connection to {address}:{port}: {exc}") from None
@@ -149,7 +153,7 @@ def connect(target: "Target | str", timeout: float = 10.0) -> Iterator[Connectio
 # --- output helpers ----------------------------------------------------------------------
 
 
-def _console():
+def _console() -> Console:
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=False)
@@ -163,7 +167,7 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-def body_for_json(body: bytes) -> dict:
+def body_for_json(body: bytes) -> dict[str, Any]:
     """A job body in JSON: text when it is UTF-8, base64 otherwise."""
     try:
         return {"body": body.decode("utf-8"), "body_encoding": "utf-8"}
@@ -171,7 +175,7 @@ def body_for_json(body: bytes) -> dict:
         return {"body": base64.b64encode(body).decode("ascii"), "body_encoding": "base64"}
 
 
-def _kv_table(title: str, data: dict):
+def _kv_table(title: str, data: dict[str, Any]) -> Table:
     from rich.table import Table
 
     table = Table(title=title, show_header=True, header_style="bold", title_justify="left")
@@ -182,7 +186,7 @@ def _kv_table(title: str, data: dict):
     return table
 
 
-def common_options(func: Callable) -> Callable:
+def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--host/-H, --json, and TLS/token settings on every verb; the verb gets `host` as a Target."""
 
     @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
@@ -200,8 +204,8 @@ def common_options(func: Callable) -> Callable:
     @click.option("--token-file", type=click.Path(dir_okay=False), envvar=TOKEN_ENV,
                   help="Send `auth <token>` first (brokers started with --auth-token-file).")
     @functools.wraps(func)
-    def wrapper(*args, host: str, tls: bool, ca_file: str | None, cert_file: str | None, key_file: str | None,
-                token_file: str | None, **kwargs):
+    def wrapper(*args: Any, host: str, tls: bool, ca_file: str | None, cert_file: str | None, key_file: str | None,
+                token_file: str | None, **kwargs: Any) -> Any:
         target = Target(host=host, tls=tls or bool(cert_file), ca_file=ca_file, cert_file=cert_file,
                         key_file=key_file, token_file=token_file)
         return func(*args, host=target, **kwargs)
@@ -215,11 +219,11 @@ def _use(conn: Connection, tube: str) -> None:
         raise OpsError(f"bad tube name {tube!r} ({reply.status.decode('latin-1')})")
 
 
-def _tube_stats(conn: Connection, tubes: list[str]) -> dict[str, dict]:
+def _tube_stats(conn: Connection, tubes: list[str]) -> dict[str, dict[str, Any]]:
     """stats-tube for each tube, pipelined; tubes that vanished meanwhile are left out."""
-    result: dict[str, dict] = {}
+    result: dict[str, dict[str, Any]] = {}
     commands = [encode(f"stats-tube {tube}") for tube in tubes]
-    for tube, reply in zip(tubes, conn.pipeline(commands)):
+    for tube, reply in zip(tubes, conn.pipeline(commands), strict=True):
         if reply.status == b"OK":
             stats = parse_yaml(reply.body or b"")
             if isinstance(stats, dict):
@@ -245,9 +249,10 @@ def stats_command(tube: str | None, host: Target, as_json: bool) -> None:
             data = conn.stats()
             title = f"stats of {conn.address}"
         else:
-            data = conn.stats_tube(tube)
-            if data is None:
+            tube_data = conn.stats_tube(tube)
+            if tube_data is None:
                 raise OpsError(f"tube {tube!r} not found on {conn.address}")
+            data = tube_data
             data["name"] = tube
             title = f"tube {tube!r} on {conn.address}"
     if as_json:
@@ -263,8 +268,8 @@ def stats_command(tube: str | None, host: Target, as_json: bool) -> None:
 _TOP_COLUMNS = tuple(c for c in _TUBE_COLUMNS if c[1] not in ("urgent", "using", "watching", "waiting"))
 
 
-def _tubes_table(title: str, stats: dict[str, dict], rates: dict[str, tuple] | None = None,
-                 columns: tuple = _TUBE_COLUMNS):
+def _tubes_table(title: str, stats: dict[str, dict[str, Any]], rates: dict[str, tuple[float, float]] | None = None,
+                 columns: tuple[tuple[str, str], ...] = _TUBE_COLUMNS) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -463,7 +468,7 @@ def kick_command(bound: int | None, tube: str, kick_all: bool, job_id: int | Non
         if job_id is not None:
             if not conn.kick_job(job_id):
                 raise OpsError(f"job {job_id} not kicked: it does not exist or is not buried or delayed")
-            result = {"id": job_id, "kicked": 1}
+            result: dict[str, Any] = {"id": job_id, "kicked": 1}
             message = f"kicked job {job_id}"
         else:
             _use(conn, tube)
@@ -567,9 +572,9 @@ class TopSampler:
     def __init__(self, conn: Connection, tube_filter: tuple[str, ...] = ()) -> None:
         self.conn = conn
         self.tube_filter = set(tube_filter)
-        self.prev: tuple[float, dict, dict[str, dict]] | None = None
+        self.prev: tuple[float, dict[str, Any], dict[str, dict[str, Any]]] | None = None
 
-    def sample(self) -> dict:
+    def sample(self) -> dict[str, Any]:
         now = time.monotonic()
         server = self.conn.stats()
         tubes = _list_tubes(self.conn)
@@ -596,7 +601,7 @@ class TopSampler:
         return {"server": server, "server_rates": server_rates, "tubes": tube_stats, "rates": rates, "lag": lag}
 
 
-def _top_json(sample: dict) -> dict:
+def _top_json(sample: dict[str, Any]) -> dict[str, Any]:
     server = sample["server"]
     keys = ("version", "uptime", "current-connections", "current-jobs-ready", "current-jobs-reserved",
             "current-jobs-delayed", "current-jobs-buried", "total-jobs")
@@ -622,7 +627,7 @@ def _top_json(sample: dict) -> dict:
     }
 
 
-def _top_view(address: str, sample: dict, interval: float):
+def _top_view(address: str, sample: dict[str, Any], interval: float) -> Group:
     from rich.console import Group
     from rich.text import Text
 
@@ -632,7 +637,8 @@ def _top_view(address: str, sample: dict, interval: float):
     head.append(f"{address}", style="bold")
     head.append(f"  beanstalkd {server.get('version', '?')}  up {server.get('uptime', '?')}s  "
                 f"connections {server.get('current-connections', '?')}  "
-                f"jobs ready {server.get('current-jobs-ready', '?')} reserved {server.get('current-jobs-reserved', '?')} "
+                f"jobs ready {server.get('current-jobs-ready', '?')} "
+                f"reserved {server.get('current-jobs-reserved', '?')} "
                 f"delayed {server.get('current-jobs-delayed', '?')} "
                 f"buried {server.get('current-jobs-buried', '?')}\n")
     lags = sample["lag"].values()

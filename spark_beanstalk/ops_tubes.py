@@ -15,9 +15,10 @@ from typing import Any
 
 import click
 
+from beanstalk_rules.hosts import parse_hosts
 from spark_beanstalk import tubeops
 from spark_beanstalk.aio import AsyncConnection, open_tcp
-from spark_beanstalk.client import BeanstalkError, ConnectionLost, parse_hosts
+from spark_beanstalk.client import BeanstalkError, ConnectionLost
 from spark_beanstalk.ops import (
     HOST_ENV,
     OpsError,

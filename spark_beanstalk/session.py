@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def ensure_worker_python() -> None:
@@ -16,7 +20,7 @@ def ensure_worker_python() -> None:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 
-def get_spark(app_name: str = "spark-beanstalk", master: str = "local[2]", **conf: str):
+def get_spark(app_name: str = "spark-beanstalk", master: str = "local[2]", **conf: str) -> SparkSession:
     """A SparkSession tuned for small local runs (few shuffle partitions, no UI)."""
     ensure_worker_python()
     from pyspark.sql import SparkSession

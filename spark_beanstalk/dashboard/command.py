@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from beanstalk_rules.hosts import parse_hosts
 from spark_beanstalk.aio import AsyncConnection, open_tcp
-from spark_beanstalk.client import parse_hosts
 from spark_beanstalk.ops import DEFAULT_HOST, HOST_ENV, TOKEN_ENV, _read_token
 
 if TYPE_CHECKING:  # aiohttp and jinja2 load only when the dashboard runs, not for every CLI verb

@@ -6,6 +6,7 @@ sampled, so any number of open browser tabs cost the servers nothing extra.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -128,10 +129,8 @@ class Sampler:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
 
     async def _run(self, view: ServerView) -> None:
         conn: AsyncConnection | None = None

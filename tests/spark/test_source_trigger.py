@@ -126,3 +126,39 @@ def test_progress_backlog_matches_stats_tube(spark, server, conn_factory, tmp_pa
     finally:
         query.stop()
         spark.conf.unset("spark.sql.streaming.noDataProgressEventInterval")
+
+
+@pytest.mark.timeout(180)
+def test_query_restart_after_partial_delete_reads_no_committed_job_again(spark, broker, conn_factory, tmp_path):
+    """Batch 0 commits; the query stops before its jobs are deleted (they go back to ready); 40 of
+    them are deleted by hand, splitting two blocks of 64 ids; restarted from the checkpoint, the
+    query deletes the other 110 and reads only the new jobs: 0 duplicates."""
+    conn = conn_factory(broker)
+    wait_until(lambda: int(conn.stats()["uptime"]) >= 3, 10, what="the broker up for 3 s")
+    ids = put_jobs(conn, "pdq", [b"pd%d" % i for i in range(150)])
+    ckpt = str(tmp_path / "ckpt")
+    rec = BatchRecorder()
+
+    def start():
+        df = reader(spark, hosts=broker.address, tubes="pdq", prefetch="false")
+        # a long trigger: nothing deletes batch 0 before the query is stopped
+        return df.writeStream.foreachBatch(rec).option("checkpointLocation", ckpt).trigger(
+            processingTime="120 seconds").start()
+
+    query = start()
+    try:
+        wait_until(lambda: any(p["batchId"] == 0 for p in query.recentProgress), 90, what="batch 0 committed")
+    finally:
+        query.stop()
+    assert sorted(r[2] for r in rec.rows()) == ids
+    wait_until(lambda: tube_counts(conn, "pdq")["ready"] == 150, 30, what="batch 0 back in ready after the stop")
+    assert all(conn.delete(j) for j in ids[10:40] + ids[100:110])
+    more = put_jobs(conn, "pdq", [b"new%d" % i for i in range(5)])
+    query = start()
+    try:
+        wait_until(lambda: len(rec.rows()) >= 155, 90, what="the new jobs read")
+        assert all(conn.stats_job(j) is None for j in ids), "committed jobs left on the broker"
+    finally:
+        query.stop()
+    got = sorted(r[2] for r in rec.rows())
+    assert got == sorted(ids + more), f"{len(got) - len(set(got))} duplicates"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from spark_beanstalk.offsets import BrokerJobs, Offset, block_digests
+from spark_beanstalk.offsets import BrokerJobs, Offset, block_digests, reserved_second
 
 
 class JobColumns(NamedTuple):
@@ -67,4 +67,5 @@ class Batch:
 
     def broker_jobs(self, address: str, sid: str) -> BrokerJobs:
         cols = self.jobs[address]
-        return BrokerJobs(sid, sorted(cols.ids), block_digests(cols.ids, cols.tubes, cols.digests))
+        return BrokerJobs(sid, sorted(cols.ids), block_digests(cols.ids, cols.tubes, cols.digests),
+                          reserved_second(cols.reserved_at_us))

@@ -33,6 +33,7 @@ from spark_beanstalk.offsets import (
     make_offset,
     offset_jobs,
     offset_pending,
+    reserved_second,
 )
 from spark_beanstalk.options import SourceOptions
 from spark_beanstalk.recovery import reacquire, settle_already_held
@@ -340,7 +341,7 @@ class InFlight:
 
     def owed_deletes(self) -> dict[str, BrokerJobs]:
         """Per broker, the jobs of committed batches not deleted yet (carried in the next offset)."""
-        owed: dict[str, tuple[list[int], list[str], list[int]]] = {}
+        owed: dict[str, tuple[list[int], list[str], list[int], list[int]]] = {}
         with self.delete_lock:
             committed = list(self.committed)
         for batch in committed:
@@ -352,12 +353,13 @@ class InFlight:
                     for i, jid in enumerate(cols.ids):
                         lot = b.held.get(jid)
                         if lot is not None and lot.batch is batch:
-                            ids, tubes, digests = owed.setdefault(addr, ([], [], []))
+                            ids, tubes, digests, times = owed.setdefault(addr, ([], [], [], []))
                             ids.append(jid)
                             tubes.append(cols.tubes[i])
                             digests.append(cols.digests[i])
-        return {addr: BrokerJobs("", sorted(ids), block_digests(ids, tubes, digests))
-                for addr, (ids, tubes, digests) in owed.items()}
+                            times.append(cols.reserved_at_us[i])
+        return {addr: BrokerJobs("", sorted(ids), block_digests(ids, tubes, digests), reserved_second(times))
+                for addr, (ids, tubes, digests, times) in owed.items()}
 
     # --- after a query restart ---------------------------------------------------------------------
     def cleanup(self, start: Offset) -> None:

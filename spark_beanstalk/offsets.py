@@ -7,7 +7,13 @@ carries per block of ``DIGEST_BLOCK`` ids a digest of the jobs' tubes and bodies
 restart the source can tell the jobs it planned from other jobs that reuse their ids (a
 broker restarted without its binlog numbers jobs from 1 again).
 
-Version 1 offsets (no digests) are still read; their jobs are taken on trust.
+Version 3 adds per broker "rt": the wall-clock second before the batch's first reservation.
+A block some of whose jobs were deleted fails its digest, so its other jobs are then judged
+one by one (``recovery.verify_offset_jobs``): a broker can only reuse an id in a later
+incarnation, and every job of that incarnation was put after it started, so after "rt".
+
+Version 1 offsets (no digests) are still read; their jobs are taken on trust. Version 2
+offsets (no "rt") accept only whole blocks.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-OFFSET_VERSION = 2
+OFFSET_VERSION = 3
 DIGEST_BLOCK = 64
 _DIGEST_WIDTH = 8    # hex characters per block digest
 
@@ -28,6 +34,7 @@ class BrokerJobs(NamedTuple):
     sid: str
     ids: list[int]
     digests: list[str]   # one per DIGEST_BLOCK ids in `ids` order; [] = not known (version 1)
+    reserved_s: int = 0  # wall-clock second at or before the first reservation of these jobs; 0 = unknown
 
 
 def encode_ranges(ids: Sequence[int]) -> str:
@@ -66,6 +73,12 @@ def body_digest(body: bytes) -> int:
     return zlib.crc32(body)
 
 
+def reserved_second(reserved_at_us: Sequence[int]) -> int:
+    """The "rt" of jobs reserved at these wall-clock times: one second early, because a time
+    is taken after the reserve's reply and must not be later than the reservation itself."""
+    return max(0, min(reserved_at_us) // 1_000_000 - 1) if reserved_at_us else 0
+
+
 def block_digests(ids: Sequence[int], tubes: Sequence[str], digests: Sequence[int]) -> list[str]:
     """Digests of (id, tube, body digest) per DIGEST_BLOCK jobs, in ascending id order."""
     order = sorted(range(len(ids)), key=ids.__getitem__)
@@ -79,14 +92,15 @@ def block_digests(ids: Sequence[int], tubes: Sequence[str], digests: Sequence[in
 def make_offset(seq: int, jobs: Mapping[str, tuple[str, Sequence[int]] | BrokerJobs],
                 pending: Mapping[str, BrokerJobs] | None = None) -> Offset:
     """The offset of batch `seq`:
-    {"jobs": {"host:port": {"dg": "<8 hex per 64 ids>", "ids": "1-9,12", "sid": server id}}, "seq": n, "v": 2}.
+    {"jobs": {"host:port": {"dg": "<8 hex per 64 ids>", "ids": "1-9,12", "rt": second, "sid": server id}},
+     "seq": n, "v": 3}.
 
     `pending`: jobs of earlier, committed batches whose delete is still owed (their broker was
     down), as "del"/"ddg" beside a broker's "ids"/"dg": a query restarted from this offset
     deletes them. Every key of an entry is always present and dicts are built in sorted key
     order (Spark compares offsets as strings).
     """
-    out: dict[str, dict[str, str]] = {}
+    out: dict[str, dict[str, Any]] = {}
     pending = pending or {}
     for addr in sorted(set(jobs) | set(pending)):
         entry = jobs.get(addr)
@@ -96,10 +110,14 @@ def make_offset(seq: int, jobs: Mapping[str, tuple[str, Sequence[int]] | BrokerJ
         ids = entry[1] if entry is not None else []
         dg = "".join(entry.digests) if isinstance(entry, BrokerJobs) else ""
         sid = entry[0] if entry is not None else (owed.sid if owed is not None else "")
-        item = {"dg": dg, "ids": encode_ranges(ids), "sid": sid}
+        item: dict[str, Any] = {"dg": dg, "ids": encode_ranges(ids), "sid": sid}
+        if isinstance(entry, BrokerJobs) and entry.reserved_s:
+            item["rt"] = entry.reserved_s
         if owed is not None and owed.ids:
-            item = {"ddg": "".join(owed.digests), "del": encode_ranges(owed.ids), **item}
-        out[addr] = item
+            item.update({"ddg": "".join(owed.digests), "del": encode_ranges(owed.ids)})
+            if owed.reserved_s:
+                item["drt"] = owed.reserved_s
+        out[addr] = dict(sorted(item.items()))
     return {"jobs": out, "seq": int(seq), "v": OFFSET_VERSION}
 
 
@@ -117,7 +135,8 @@ def offset_jobs(offset: Offset | None) -> dict[str, BrokerJobs]:
     for addr, entry in (offset or {}).get("jobs", {}).items():
         ids = decode_ranges(entry.get("ids", ""))
         if ids:
-            result[addr] = BrokerJobs(str(entry.get("sid", "")), ids, _split_digests(str(entry.get("dg", ""))))
+            result[addr] = BrokerJobs(str(entry.get("sid", "")), ids, _split_digests(str(entry.get("dg", ""))),
+                                      int(entry.get("rt", 0)))
     return result
 
 
@@ -127,5 +146,6 @@ def offset_pending(offset: Offset | None) -> dict[str, BrokerJobs]:
     for addr, entry in (offset or {}).get("jobs", {}).items():
         ids = decode_ranges(entry.get("del", ""))
         if ids:
-            result[addr] = BrokerJobs(str(entry.get("sid", "")), ids, _split_digests(str(entry.get("ddg", ""))))
+            result[addr] = BrokerJobs(str(entry.get("sid", "")), ids, _split_digests(str(entry.get("ddg", ""))),
+                                      int(entry.get("drt", 0)))
     return result

@@ -34,6 +34,7 @@ import click
 from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers
 from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
+from spark_beanstalk.lag import tube_lag
 from spark_beanstalk.leader import open_leader
 from spark_beanstalk.ops_cluster import member_rows, members_table
 
@@ -626,6 +627,7 @@ class TopSampler:
         if self.tube_filter:
             tubes = [t for t in tubes if t in self.tube_filter]
         tube_stats = _tube_stats(self.conn, tubes)
+        lag = tube_lag(self.conn, list(tube_stats))
         rates: dict[str, tuple[float | None, float | None]] = {}
         server_rates: dict[str, float | None] = {key: None for key in _SERVER_RATE_KEYS}
         if self.prev is not None:
@@ -642,7 +644,7 @@ class TopSampler:
                     max(0, int(st.get("cmd-delete", 0)) - int(old.get("cmd-delete", 0))) / elapsed,
                 )
         self.prev = (now, server, tube_stats)
-        return {"server": server, "server_rates": server_rates, "tubes": tube_stats, "rates": rates}
+        return {"server": server, "server_rates": server_rates, "tubes": tube_stats, "rates": rates, "lag": lag}
 
 
 def _top_json(sample: dict[str, Any]) -> dict[str, Any]:
@@ -659,6 +661,9 @@ def _top_json(sample: dict[str, Any]) -> dict[str, Any]:
             "pause_time_left": st.get("pause-time-left", 0),
             "put_rate": put_rate,
             "delete_rate": delete_rate,
+            # what a streaming query reading this tube has not reserved yet (its progress "backlog")
+            "backlog": lag.ready + lag.delayed if (lag := sample["lag"].get(name)) else None,
+            "oldest_ready_age": lag.oldest_ready_age if lag else None,
         })
     return {
         "time": time.time(),
@@ -686,6 +691,9 @@ def _top_view(address: str, sample: dict[str, Any], interval: float) -> Group:
         head.append(f"  {server['replication-role']} epoch {server.get('replication-epoch')} "
                     f"lag {server.get('replication-lag-records')} records", style="bold")
     head.append("\n")
+    lags = sample["lag"].values()
+    head.append(f"backlog (ready+delayed, a query's lag) {sum(t.ready + t.delayed for t in lags)}  "
+                f"oldest ready {max((t.oldest_ready_age for t in lags), default=0)}s\n")
     head.append(f"put/s {_rate(rates['cmd-put'])}  reserve/s {_rate(rates['cmd-reserve'])}  "
                 f"delete/s {_rate(rates['cmd-delete'])}  (every {interval:g}s; Ctrl-C to quit)", style="dim")
     return Group(head, _tubes_table("", sample["tubes"], sample["rates"], _TOP_COLUMNS))

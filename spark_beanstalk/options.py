@@ -7,6 +7,7 @@ bad value raises ``OptionError`` naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,21 @@ def get_float(options: Mapping[str, str], key: str, default: float, minimum: flo
     if minimum is not None and value < minimum:
         raise OptionError(f"option {key}={value} is below the minimum {minimum}")
     return value
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def get_duration(options: Mapping[str, str], key: str, default: str) -> float:
+    """A duration such as "500ms", "3s", "1m" or "2h", in seconds; the unit is required."""
+    raw = _lower_keys(options).get(key.lower())
+    text = default if raw is None or str(raw).strip() == "" else str(raw)
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None:
+        raise OptionError(f"option {key}={text!r} is not a duration; write a number and a unit: "
+                          "500ms, 3s, 1m or 2h")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
 def get_bool(options: Mapping[str, str], key: str, default: bool) -> bool:
@@ -177,6 +193,8 @@ class SourceOptions:
     hosts: tuple[tuple[str, int], ...] = (("127.0.0.1", 11300),)
     tubes: tuple[str, ...] = ("default",)
     max_jobs_per_trigger: int = 20000        # 0: no limit (ReadAllAvailable)
+    min_jobs_per_trigger: int = 0            # a batch waits for this many ready jobs ...
+    max_trigger_delay: float = 900.0         # ... or this many seconds since the last batch
     num_partitions: int = 2                  # Spark partitions (and minimum reservation connections) per broker
     reserve_timeout: int = 0                 # seconds latestOffset may block waiting for a first job
     jobs_per_connection: int = 1000          # reserved jobs held on one connection at most
@@ -191,7 +209,8 @@ class SourceOptions:
     brokers: tuple[BrokerAddress, ...] = ()  # from `hosts`: logical brokers (a cluster: is one); see links()
 
     KEYS = (
-        "hosts", "tubes", "maxJobsPerTrigger", "numPartitions", "reserveTimeout", "jobsPerConnection",
+        "hosts", "tubes", "maxJobsPerTrigger", "minJobsPerTrigger", "maxTriggerDelay",
+        "numPartitions", "reserveTimeout", "jobsPerConnection",
         "touchFraction", "maxReserves", "replayWaitSeconds", "socketTimeout", "brokerRetrySeconds", "prefetch",
         "prefetchPollMs",
     ) + Security.KEYS
@@ -215,11 +234,14 @@ class SourceOptions:
         reserve_timeout = get_int(options, "reserveTimeout", 0, minimum=0, maximum=20)
         if reserve_timeout >= socket_timeout:
             raise OptionError(f"option reserveTimeout={reserve_timeout} must be below socketTimeout={socket_timeout}")
+        max_jobs, min_jobs, max_delay = _trigger_limits(options)
         return cls(
             hosts=first_members(brokers),
             brokers=brokers,
             tubes=tuple(tubes),
-            max_jobs_per_trigger=get_int(options, "maxJobsPerTrigger", 20000, minimum=0),
+            max_jobs_per_trigger=max_jobs,
+            min_jobs_per_trigger=min_jobs,
+            max_trigger_delay=max_delay,
             num_partitions=get_int(options, "numPartitions", 2, minimum=1, maximum=256),
             reserve_timeout=reserve_timeout,
             jobs_per_connection=get_int(options, "jobsPerConnection", 1000, minimum=1, maximum=1_000_000),
@@ -239,6 +261,21 @@ class SourceOptions:
     @property
     def addresses(self) -> list[str]:
         return [b.name for b in self.links()]
+
+
+def _trigger_limits(options: Mapping[str, str]) -> tuple[int, int, float]:
+    """maxJobsPerTrigger, minJobsPerTrigger, maxTriggerDelay (seconds): the admission rules, checked together."""
+    max_jobs = get_int(options, "maxJobsPerTrigger", 20000, minimum=0)
+    min_jobs = get_int(options, "minJobsPerTrigger", 0, minimum=0)
+    max_delay = get_duration(options, "maxTriggerDelay", "15m")
+    if max_delay <= 0:
+        raise OptionError(f"option maxTriggerDelay={max_delay:g}s must be above 0")
+    if min_jobs and max_jobs and min_jobs > max_jobs:
+        raise OptionError(f"option minJobsPerTrigger={min_jobs} is above maxJobsPerTrigger={max_jobs}: "
+                          "no batch could ever satisfy both")
+    if not min_jobs and _lower_keys(options).get("maxtriggerdelay") not in (None, ""):
+        raise OptionError("option maxTriggerDelay only applies with minJobsPerTrigger > 0")
+    return max_jobs, min_jobs, max_delay
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------

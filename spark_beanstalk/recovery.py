@@ -132,7 +132,9 @@ class Verified(NamedTuple):
 
 def verify_offset_jobs(b: BrokerLink, bj: BrokerJobs) -> Verified:
     """Inspect the jobs an offset names (on the control connection) and check them against its
-    block digests. Version 1 offsets (no digests): every job present passes."""
+    block digests. Version 1 offsets (no digests): every job present passes. A block that fails
+    (some of its jobs were deleted) is judged job by job when the offset has "rt"
+    (``_still_ours``)."""
     assert b.control is not None
     found: dict[int, Identity] = {}
     for lo in range(0, len(bj.ids), PIPELINE_WINDOW):
@@ -141,16 +143,42 @@ def verify_offset_jobs(b: BrokerLink, bj: BrokerJobs) -> Verified:
         return Verified(found, [j for j in bj.ids if j not in found], set(found))
     ok: dict[int, Identity] = {}
     rejected: list[int] = []
+    partial: list[int] = []
     for k, lo in enumerate(range(0, len(bj.ids), DIGEST_BLOCK)):
         block = bj.ids[lo:lo + DIGEST_BLOCK]
         idents = [found[j] for j in block if j in found]
         good = k < len(bj.digests) and len(idents) == len(block) and block_digests(
             block, [i.tube for i in idents], [i.digest for i in idents]) == [bj.digests[k]]
         if good:
-            ok.update(zip(block, idents))
+            ok.update(zip(block, idents, strict=True))
         else:
-            rejected.extend(block)
+            partial.extend(j for j in block if j in found)
+            rejected.extend(j for j in block if j not in found)
+    if partial:
+        mine = _still_ours(b, bj.reserved_s, {j: found[j] for j in partial})
+        ok.update((j, found[j]) for j in partial if j in mine)
+        rejected.extend(j for j in partial if j not in mine)
     return Verified(ok, rejected, set(found))
+
+
+def _still_ours(b: BrokerLink, reserved_s: int, jobs: dict[int, Identity]) -> set[int]:
+    """The jobs, of a block that failed its digest, that are still the ones the offset named.
+
+    A broker reuses an id only in a later incarnation (restarted without its binlog), which
+    started after we reserved the id, and each of its jobs was put after it started. So a job
+    is ours when it is in one of our tubes and either the broker has been up since before
+    `reserved_s` (no restart since: ids are unique) or the job was put before `reserved_s`
+    (its stats-job age says so: a reused id is younger). Ages and uptimes are whole seconds,
+    rounded so as to reject when in doubt; 0 (offsets before version 3) rejects all.
+    """
+    if reserved_s <= 0 or not jobs:
+        return set()
+    assert b.control is not None
+    uptime = int(b.control.stats().get("uptime", 0))
+    now = time.time()                    # after the replies: errs towards "too young"
+    same_incarnation = now - uptime <= reserved_s
+    return {j for j, ident in jobs.items() if ident.tube in b.opts.tubes
+            and (same_incarnation or 0 <= ident.age and now - ident.age <= reserved_s)}
 
 
 def rejected_warning(b: BrokerLink, what: str, rejected: Sequence[int]) -> None:

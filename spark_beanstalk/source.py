@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -49,11 +49,15 @@ from pyspark.sql.types import (
 from spark_beanstalk.batch import Batch, JobColumns
 from spark_beanstalk.brokers import BeanstalkSourceError
 from spark_beanstalk.inflight import InFlight
+from spark_beanstalk.lag import Lag
 from spark_beanstalk.offsets import Offset, make_offset, offset_seq
 from spark_beanstalk.options import SourceOptions
 
 __all__ = ["SCHEMA", "SCHEMA_DDL", "BeanstalkPartition", "BeanstalkSourceError", "BeanstalkStreamReader"]
 
+_LAG_REFRESH_SECONDS = 1.0     # progress: stats-tube at most this often, so idle polling stays cheap
+_WAIT_REFRESH_SECONDS = 0.25   # while a batch waits for minJobsPerTrigger: how stale the ready count may be
+_UNLIMITED = 1 << 62
 _TRACE = bool(os.environ.get("SPARK_BEANSTALK_TRACE"))  # executors print read() timings to stderr
 
 SCHEMA = StructType([
@@ -119,6 +123,8 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def _init_runtime(self) -> None:
         self._inflight: InFlight | None = None
         self._cleaned = False
+        self._lag = Lag(self.opts.tubes)
+        self._last_batch_at: float | None = None   # time.monotonic() when the last batch was planned
 
     def __getstate__(self) -> dict[str, Any]:
         return {"opts": self.opts, "schema": self.schema}
@@ -142,6 +148,9 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_jobs_per_trigger > 0:
             return ReadMaxRows(self.opts.max_jobs_per_trigger)
+        if self.opts.min_jobs_per_trigger > 0:
+            # Not ReadAllAvailable: that is what Trigger.Once passes, and Once must not wait.
+            return ReadMaxRows(_UNLIMITED)
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -158,10 +167,27 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def _budget(self, limit: ReadLimit, inflight: InFlight) -> int:
         """Admission control, in one place: how many jobs the next batch may take."""
-        budget = max(0, int(limit.max_rows)) if isinstance(limit, ReadMaxRows) else 1 << 62
+        budget = max(0, int(limit.max_rows)) if isinstance(limit, ReadMaxRows) else _UNLIMITED
         if inflight.an_budget is not None:
             budget = min(budget, sum(inflight.an_budget.values()))
         return budget
+
+    def _hold_back(self, limit: ReadLimit, inflight: InFlight) -> bool:
+        """minJobsPerTrigger/maxTriggerDelay: True while fewer jobs are ready (in the tubes plus
+        read ahead) than the minimum and the delay since the last batch has not passed yet.
+
+        Not under AvailableNow (its batches must drain a fixed amount and stop) nor Trigger.Once
+        (Spark passes ReadAllAvailable): both take what there is at once.
+        """
+        if self.opts.min_jobs_per_trigger <= 0 or inflight.an_budget is not None or not isinstance(limit, ReadMaxRows):
+            return False
+        now = time.monotonic()
+        if self._last_batch_at is None:
+            self._last_batch_at = now     # the first batch of a run waits as if one had just run
+        if now - self._last_batch_at >= self.opts.max_trigger_delay:
+            return False
+        self._lag.refresh(inflight.brokers, _WAIT_REFRESH_SECONDS)
+        return self._lag.ready() + inflight.pool.count() < self.opts.min_jobs_per_trigger
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         inflight = self._started()
@@ -180,23 +206,30 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         if pending is not None and pending.offset is not None:   # planned earlier, not used yet (defensive)
             return pending.offset
         budget = self._budget(limit, inflight)
-        if budget <= 0:
-            return start
+        if budget <= 0 or self._hold_back(limit, inflight):
+            return start     # byte-identical: Spark sees no new data and asks again
         may_block = self.opts.reserve_timeout > 0 and inflight.an_budget is None
         batch = inflight.next_batch(start_seq + 1, budget, may_block)
         # Read ahead for the next batch while this one runs (not under AvailableNow: its end is fixed).
-        if self.opts.prefetch and inflight.an_budget is None and isinstance(limit, ReadMaxRows):
+        if (self.opts.prefetch and inflight.an_budget is None and isinstance(limit, ReadMaxRows)
+                and budget < _UNLIMITED):
             inflight.prefetch_cap = budget
         inflight.work.set()
         if batch.count() == 0:
             return start
+        self._last_batch_at = time.monotonic()
         return inflight.plan(batch)
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """Counters shown under sources[].latestOffset in the query's progress."""
         if self._inflight is None:
             return None
-        return self._inflight.report(len(self._inflight.batches))
+        report = self._inflight.report(len(self._inflight.batches))
+        self._lag.refresh(self._inflight.brokers, _LAG_REFRESH_SECONDS)
+        report["lag"] = self._lag.report()
+        report["backlog"] = report["lag"]["backlog"]
+        report["oldestReadyAgeSeconds"] = report["lag"]["oldestReadyAgeSeconds"]
+        return report
 
     def commit(self, end: Offset) -> None:
         """Backstop: latestOffset normally deleted these jobs already."""

@@ -155,6 +155,7 @@ class Identity(NamedTuple):
     tube: str
     digest: int
     state: str
+    age: int = -1     # seconds since the put (stats-job "age"); -1 = not known
 
 
 def inspect_jobs(conn: Connection, ids: Sequence[int]) -> dict[int, Identity]:
@@ -174,5 +175,6 @@ def inspect_jobs(conn: Connection, ids: Sequence[int]) -> dict[int, Identity]:
         if body is None or stats is None or not peek_line.startswith(b"FOUND "):
             continue
         tube, _pri, _ttr, _reserves, state = parse_stats_job(stats)
-        found[jid] = Identity(tube, body_digest(body), state)
+        age = _field(stats, b"\nage: ")
+        found[jid] = Identity(tube, body_digest(body), state, int(age) if age is not None and age.isdigit() else -1)
     return found

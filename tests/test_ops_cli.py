@@ -319,6 +319,8 @@ def test_top_json_iterations(server, conn):
     assert frames[0]["tubes"][0]["put_rate"] is None  # no rate before a second sample
     assert tubes["t1"]["put_rate"] == 0.0
     assert frames[1]["server"]["current-jobs-ready"] == 1
+    assert tubes["t1"]["backlog"] == 2 and tubes["t1"]["oldest_ready_age"] >= 0   # ready + delayed
+    assert conn.list_tubes().count("t1") == 1
 
 
 def test_top_rates_follow_puts_and_deletes(server, conn):
@@ -349,6 +351,7 @@ def test_top_human_view(server, conn):
     assert result.exit_code == 0, result.stderr
     assert result.stdout.count("put/s") >= 2  # each refresh printed (stdout is not a terminal)
     assert "shown" in result.stdout and "default" not in result.stdout.split("(every")[1]
+    assert "backlog (ready+delayed, a query's lag) 1" in result.stdout
 
 
 # --- host selection and an unreachable server ---------------------------------------------------

@@ -147,7 +147,8 @@ class BrokerLink:
             self.counters.reconnects += 1
             down = f" after {now - self.down_since:.1f}s down" if self.down_since is not None else ""
             log.warning("beanstalk source: reconnected to %s%s (reconnect %d; %d held jobs to re-acquire)",
-                        self.address, down, self.counters.reconnects, sum(1 for lot in self.held.values() if lot.rc.dead))
+                        self.address, down, self.counters.reconnects,
+                        sum(1 for lot in self.held.values() if lot.rc.dead))
         self.was_up = True
         self.down_since = None
         self.backoff = _BACKOFF_FIRST
@@ -175,7 +176,8 @@ class BrokerLink:
         for reply in conn.pipeline(cmds):
             if reply.status != b"WATCHING":
                 conn.close()
-                raise BeanstalkSourceError(f"beanstalk source: {self.address} refused to watch {tubes}: {reply.status!r}")
+                raise BeanstalkSourceError(
+                    f"beanstalk source: {self.address} refused to watch {tubes}: {reply.status!r}")
         return ResConn(self, conn)
 
     def conn_with_room(self, start: int) -> tuple[int, ResConn]:

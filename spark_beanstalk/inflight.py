@@ -224,7 +224,7 @@ class InFlight:
         if st.missing:
             b.counters.lost += len(st.missing)     # vanished between reserve and stats (someone deleted it)
             gone = set(st.missing)
-            bodies = [body for jid, body in zip(ids, bodies) if jid not in gone]
+            bodies = [body for jid, body in zip(ids, bodies, strict=True) if jid not in gone]
         n = len(st.ids)
         cols = JobColumns(st.ids, st.tubes, bodies, st.pris, st.ttrs, st.reserves, [now_wall_us] * n,
                           [body_digest(x) for x in bodies])
@@ -283,7 +283,7 @@ class InFlight:
             if k <= 0:
                 break
             excess -= k
-            gone = dict(zip(cols.ids[-k:], cols.pris[-k:]))
+            gone = dict(zip(cols.ids[-k:], cols.pris[-k:], strict=True))
             batch.jobs[addr] = cols.keep(list(range(len(cols.ids) - k)))
             b = self.link(addr)
             if b is None:

@@ -106,7 +106,7 @@ def _reserve_again(b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], col
                    index: dict[int, int]) -> None:
     got: list[int] = []
     lost: list[int] = []
-    for jid, (line, body) in zip(ids, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in ids])):
+    for jid, (line, body) in zip(ids, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in ids]), strict=False):
         if line.startswith(b"RESERVED ") and body is not None and body_digest(body) == cols.digests[index[jid]]:
             got.append(jid)
         else:
@@ -178,7 +178,7 @@ def _still_ours(b: BrokerLink, reserved_s: int, jobs: dict[int, Identity]) -> se
     now = time.time()                    # after the replies: errs towards "too young"
     same_incarnation = now - uptime <= reserved_s
     return {j for j, ident in jobs.items() if ident.tube in b.opts.tubes
-            and (same_incarnation or 0 <= ident.age and now - ident.age <= reserved_s)}
+            and (same_incarnation or ident.age >= 0 and now - ident.age <= reserved_s)}
 
 
 def rejected_warning(b: BrokerLink, what: str, rejected: Sequence[int]) -> None:

@@ -76,7 +76,8 @@ def _replay_some(b: BrokerLink, batch: Batch, ids: list[int], known: dict[int, I
         chunk = ids[pos:pos + min(b.opts.jobs_per_connection - rc.count, PIPELINE_WINDOW)]
         pos += len(chunk)
         got, bodies, wrong = [], [], []
-        for jid, (line, body) in zip(chunk, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in chunk])):
+        replies = rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in chunk])
+        for jid, (line, body) in zip(chunk, replies, strict=False):
             if body is None or not line.startswith(b"RESERVED "):
                 missing.append(jid)
             elif body_digest(body) != known[jid].digest:

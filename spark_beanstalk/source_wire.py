@@ -117,7 +117,7 @@ def _stats_run(conn: Connection, ids: Sequence[int]) -> JobStats:
 
 def _stats_jobs_slow(raw: bytes, ids: Sequence[int]) -> JobStats:
     out = JobStats([], [], [], [], [], [], [])
-    for jid, (_line, body) in zip(ids, split_replies(raw)):
+    for jid, (_line, body) in zip(ids, split_replies(raw), strict=False):
         if body is None:
             out.missing.append(jid)
             continue

@@ -165,7 +165,7 @@ def test_broker_killed_three_times(spark, kind, tmp_path):
     assert state["reconnects"] >= 3 and state["state"] == "up"
 
 
-@pytest.mark.parametrize("kind", ["beanstalkd"])   # a cut looks the same from any server; saves a minute
+@pytest.mark.parametrize("kind", KINDS)
 def test_proxy_cuts_every_connection(spark, kind, tmp_path):
     """A proxy drops every connection once mid-batch and once while idle: the source reconnects,
     re-acquires what it held, and delivers each job once."""
@@ -202,7 +202,7 @@ def test_proxy_cuts_every_connection(spark, kind, tmp_path):
     assert state["reconnects"] >= 2
 
 
-@pytest.mark.parametrize("kind", ["ours"])         # the slowest test (a 15 s bound to pass); one server
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.timeout(420)
 def test_one_broker_down_then_past_the_bound(spark, kind, tmp_path):
     """Two brokers. B down for less than brokerRetrySeconds: A keeps being read. B killed while a

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
 import os
 import re
@@ -31,23 +30,11 @@ import threading
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-OUT = BENCH / "out"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchlib import BENCH, OUT, ROOT, broker_bench  # noqa: F401 (puts the repository on sys.path)
 
 from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402
 
-
-def _broker_bench():
-    spec = importlib.util.spec_from_file_location("broker_bench", BENCH / "broker_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bb = _broker_bench()
+bb = broker_bench()
 
 
 def start(kind: str, directory: str, flags: list[str], log: str | None = None, timeout: float = 120.0):

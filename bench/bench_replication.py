@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
 import os
 import shutil
@@ -28,11 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-OUT = BENCH / "out"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchlib import BENCH, OUT, ROOT, broker_bench  # noqa: F401 (puts the repository on sys.path)
 
 from spark_beanstalk.client import BeanstalkError, Connection
 from spark_beanstalk.embedded import (
@@ -43,15 +38,7 @@ from spark_beanstalk.embedded import (
     wait_until,
 )
 
-
-def _broker_bench():
-    spec = importlib.util.spec_from_file_location("broker_bench", BENCH / "broker_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bb = _broker_bench()
+bb = broker_bench()
 
 CONFIGS = ("single -f 0", "single -f 50", "async -f 50", "sync1 -f 50", "sync1 -f 0")
 
@@ -174,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT / "replication.json"))
     opts = p.parse_args(argv)
     only = set(opts.only.split(","))
-    res: dict = {"meta": {"started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    res: dict = {"meta": {"started_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                           "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "args": vars(opts)}}
     if "put" in only:
         bb.build_loadgen()

@@ -28,16 +28,11 @@ import json
 import multiprocessing as mp
 import shutil
 import struct
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-OUT = BENCH / "out"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchlib import BENCH, OUT, ROOT, broker_bench  # noqa: F401 (puts the repository on sys.path)
 
 from spark_beanstalk.client import Connection, encode_put  # noqa: E402
 from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402

@@ -136,3 +136,16 @@ def parse_one_host(spec: str, default_port: int = DEFAULT_PORT) -> HostSpec:
 def uses_tls(spec: str) -> bool:
     """Whether any entry of the spec asks for TLS with the ``tls://`` scheme."""
     return any(_strip_scheme(raw.strip())[1] for _, group in _groups(spec) for raw in group.split(","))
+
+
+def parse_listen(address: str, default_host: str | None = "127.0.0.1") -> tuple[str, int]:
+    """'ADDR:PORT' of a listener (HTTP, dashboard) -> (host, port); '[::1]:80' gives '::1'.
+
+    An empty ADDR means `default_host`, or is an error when that is None. Raises ValueError
+    with the words an operator sees.
+    """
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit() or not (host or default_host):
+        raise ValueError(f"takes ADDR:PORT, not {address!r}")
+    return host or str(default_host), int(port)

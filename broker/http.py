@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from beanstalk_rules.hosts import parse_listen
 from broker.metrics import HasQueue, metrics_text
 from broker.queue import QueueListener
 
@@ -62,12 +63,12 @@ class HttpAddressError(ValueError):
 
 def bind(address: str) -> socket.socket:
     """Bind ``ADDR:PORT`` now; raises HttpAddressError with a sentence for the operator."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise HttpAddressError(f"takes ADDR:PORT, not {address!r}")
-    host = host.strip("[]") or "127.0.0.1"
     try:
-        return socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+        host, port = parse_listen(address)
+    except ValueError as exc:
+        raise HttpAddressError(str(exc)) from None
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                     reuse_port=False)
     except OSError as exc:
         raise HttpAddressError(f"cannot listen on {address}: {exc.strerror or exc}") from None

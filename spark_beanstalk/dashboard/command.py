@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from beanstalk_rules.hosts import parse_hosts
+from beanstalk_rules.hosts import parse_hosts, parse_listen
 from spark_beanstalk.aio import AsyncConnection, open_tcp
 from spark_beanstalk.ops import DEFAULT_HOST, HOST_ENV, TOKEN_ENV, _read_token
 
@@ -37,10 +37,10 @@ def tcp_endpoint(host: str, port: int, token: str | None) -> Endpoint:
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise click.BadParameter(f"takes ADDR:PORT, not {listen!r}", param_hint="--listen")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_listen(listen, default_host=None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
 
 
 async def serve(app: web.Application, host: str, port: int) -> None:

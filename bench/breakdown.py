@@ -314,22 +314,28 @@ def _title(row: dict) -> str:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """One line per row: us/cmd of kernel+uvloop (every Python server pays it) and of the rest, per server."""
+    """Every row on one line: per server, CPU us/cmd = kernel + uvloop + CPython + own + other."""
     kinds = list(dict.fromkeys(k for r in rows for k in r["servers"]))
-    hdr = ["row", *(f"{k}: kernel+uvloop / rest us" for k in kinds)]
+    hdr = ["row", *(f"{k} us/cmd = kernel + uvloop + CPython + own + other" for k in kinds)]
     lines = ["| " + " | ".join(hdr) + " |", "|---|" + "---:|" * len(kinds)]
     for row in rows:
         cells = [f"{row['workload']} {row['conns']}x{row['depth']}"]
         for k in kinds:
             r = row["servers"].get(k, {})
             us = r.get("us_per_cmd")
-            if not us:
-                cells.append("-")
-                continue
-            base = us["kernel"] + us["uvloop"]
-            cells.append(f"{base:.1f} / {r['cpu_us_per_cmd'] - base:.1f}")
+            cells.append(f"**{r['cpu_us_per_cmd']:.1f}** = " + " + ".join(f"{us[c]:.1f}" for c in CATEGORIES)
+                         if us else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def table_from(path: str) -> int:
+    """Re-print the summary of an earlier --breakdown run's JSON."""
+    data = json.loads(Path(path).read_text())
+    print(summary_table(data["rows"]))
+    meta = data["meta"]
+    print(f"\n{bb.machine_line(meta)}; git {meta['git']['commit']}; load average at end {meta['loadavg_end'][0]:.2f}")
+    return 0
 
 
 def main(opts) -> int:
@@ -361,7 +367,7 @@ def main(opts) -> int:
                 print(row_table(row) + "\n")
     meta["loadavg_end"] = os.getloadavg()
     if opts.tool == "perf":
-        print("Per command: kernel+uvloop (what every Python server on uvloop pays) / everything else, us\n")
+        print("Server CPU per command, split (us)\n")
         print(summary_table(rows))
     print(f"\n{bb.machine_line(meta)}; git {meta['git']['commit']}; load average at end {meta['loadavg_end'][0]:.2f}")
     out = Path(opts.out) if opts.out != str(bb.OUT / "broker.json") else bb.OUT / "breakdown.json"

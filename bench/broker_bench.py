@@ -444,6 +444,10 @@ def table_from(path: str) -> int:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.table_from and opts.breakdown:
+        import breakdown
+
+        return breakdown.table_from(opts.table_from)
     if opts.table_from:
         return table_from(opts.table_from)
     os.chdir(ROOT)  # `python -m broker` must find the package

@@ -18,6 +18,11 @@ durationMs (latestOffset, planning, addBatch, commits), summed over the phase.
 
     python bench/bench_source.py                          # both servers, defaults
     python bench/bench_source.py --servers beanstalkd --jobs 100000 --rate 10000 --duration 15
+    python bench/bench_source.py --reps 2      # ours,beanstalkd then beanstalkd,ours; same-run ratios per rep
+
+Before the measured runs, one short unmeasured run against beanstalkd primes the JVM and
+Spark's Python workers (--no-prime skips it): without it the first server measured paid
+for them (drain 0.76-0.79x when ours ran first, 1.00-1.08x when it ran second, same machine).
 
 Prints a markdown summary and writes bench/out/source.json.
 """
@@ -109,7 +114,7 @@ def visibility(out_dir: Path) -> list[tuple[float, list[str]]]:
         entries.append((batch, f))
     seen: set[str] = set()
     result = []
-    for batch, f in sorted(entries):
+    for _batch, f in sorted(entries):
         files = []
         for line in f.read_text().splitlines()[1:]:
             path = json.loads(line)["path"]
@@ -249,6 +254,19 @@ def run_server(spark, kind: str, args) -> dict:
     return result
 
 
+def print_ratios(results: list[dict]) -> None:
+    """ours/beanstalkd within each repetition (drain jobs/s; p50 and p99 put-to-sink)."""
+    for rep in sorted({r["rep"] for r in results}):
+        by = {r["server"]: r for r in results if r["rep"] == rep}
+        if "ours" in by and "beanstalkd" in by:
+            o, b = by["ours"], by["beanstalkd"]
+            order = ",".join(r["server"] for r in results if r["rep"] == rep)
+            drain = o["drain"]["jobs_per_s"] / b["drain"]["jobs_per_s"]
+            print(f"rep {rep} ({order}): ours/beanstalkd drain {drain:.2f}x, "
+                  f"p50 {o['latency']['p50_s'] / b['latency']['p50_s']:.2f}x, "
+                  f"p99 {o['latency']['p99_s'] / b['latency']['p99_s']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", default="ours,beanstalkd")
@@ -260,22 +278,36 @@ def main() -> None:
     ap.add_argument("--num-partitions", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "source.json", help="where the JSON results go")
     ap.add_argument("--warmup", type=int, default=100_000, help="jobs drained before measuring (JIT warm-up)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions; the server order is reversed every other one (the first server measured in "
+                         "a fresh JVM pays for it), and the same-run ratios are printed per repetition")
+    ap.add_argument("--no-prime", dest="prime", action="store_false",
+                    help="skip the unmeasured priming run (a short run against beanstalkd first, so that the first "
+                         "server measured does not pay for the JVM's and the Python workers' first minutes)")
     args = ap.parse_args()
 
     from spark_beanstalk.session import get_spark
 
     spark = get_spark("bench-source")
-    results = [run_server(spark, kind.strip(), args) for kind in args.servers.split(",") if kind.strip()]
+    kinds = [kind.strip() for kind in args.servers.split(",") if kind.strip()]
+    if args.prime:
+        run_server(spark, "beanstalkd", argparse.Namespace(**{**vars(args), "jobs": 50_000, "duration": 5.0}))
+    results = []
+    for rep in range(args.reps):
+        for kind in kinds if rep % 2 == 0 else list(reversed(kinds)):
+            results.append({**run_server(spark, kind, args), "rep": rep + 1})
     spark.stop()
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "results": results}, indent=2))
-    print("\n| server | drain jobs/s | drain s | batches | put-to-sink p50 | p90 | p99 | rate | rows ok |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| rep | server | drain jobs/s | drain s | batches | put-to-sink p50 | p90 | p99 | rate | rows ok |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
-        d, l = r["drain"], r["latency"]
-        print(f"| {r['server']} | {d['jobs_per_s']:,} | {d['seconds']} | {d['batches']} | {l['p50_s']} s | "
-              f"{l['p90_s']} s | {l['p99_s']} s | {l['rate']:,}/s | {r['sink_rows'] == r['expected_rows']} |")
+        d, lat = r["drain"], r["latency"]
+        print(f"| {r['rep']} | {r['server']} | {d['jobs_per_s']:,} | {d['seconds']} | {d['batches']} | "
+              f"{lat['p50_s']} s | {lat['p90_s']} s | {lat['p99_s']} s | {lat['rate']:,}/s | "
+              f"{r['sink_rows'] == r['expected_rows']} |")
+    print_ratios(results)
     for r in results:
         print(f"\n{r['server']} drain: source ms {r['drain']['source_ms']}")
         print(f"{r['server']} drain: spark durationMs {r['drain']['spark_duration_ms']}")

@@ -12,6 +12,7 @@ Medians over the repetitions are reported.
     python bench/broker_bench.py --servers beanstalkd --workloads put,cycle --conns 1,50
     python bench/broker_bench.py --pure --workloads put,cycle --conns 50 --depths 1   # both builds of ours
     python bench/broker_bench.py --instructions   # instructions per command under callgrind (load-proof)
+    python bench/broker_bench.py --breakdown --quick   # per row: kernel / uvloop / CPython / own code (perf)
 
 Servers per row (bench/servers.py): beanstalkd 1.12, ours, ours-pure (SPARK_BEANSTALK_PURE=1)
 and the Python floor (shared/tools/python_floor.py: asyncio + uvloop, no broker logic).
@@ -357,8 +358,9 @@ def profile_ours(spec: str, opts) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 s rows, 20k-job drains")
-    p.add_argument("--servers", default="beanstalkd,ours,floor",
-                   help="comma list of: beanstalkd, ours, ours-pure, floor (see bench/servers.py)")
+    p.add_argument("--servers", default=None,
+                   help="comma list of: beanstalkd, ours, ours-pure, floor (see bench/servers.py); default "
+                        "beanstalkd,ours,floor (--breakdown: all four)")
     p.add_argument("--pure", action="store_true",
                    help="also run ours-pure (SPARK_BEANSTALK_PURE=1): both builds of ours side by side")
     p.add_argument("--floor", default=None, help="path of python_floor.py (default: shared/tools/ beside the repo)")
@@ -367,6 +369,11 @@ def parse_args(argv=None):
     p.add_argument("--instr-ops", type=int, default=20000, help="with --instructions: commands measured per row")
     p.add_argument("--annotate", type=int, default=0, metavar="N",
                    help="with --instructions: also print the N most expensive C functions (callgrind_annotate)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="instead of the table: per row, where each server's CPU goes (kernel / uvloop / CPython / "
+                        "own code / other; see bench/breakdown.py); --quick: 50 connections only")
+    p.add_argument("--tool", choices=("perf", "callgrind"), default="perf",
+                   help="with --breakdown: perf record (CPU time) or callgrind (user-space instructions)")
     p.add_argument("--workloads", default="put,cycle,drain", help="comma list of: put, cycle, drain")
     p.add_argument("--conns", default="1,50,500")
     p.add_argument("--depths", default="1,64")
@@ -388,6 +395,12 @@ def parse_args(argv=None):
                    help="with --profile: which server to profile")
     p.add_argument("--table-from", metavar="JSON", help="only re-print the markdown table of an earlier run's JSON")
     o = p.parse_args(argv)
+    if o.breakdown:
+        o.reps = o.reps or 1
+        o.servers = o.servers or ",".join(servers.KINDS)
+        if o.quick and o.conns == "1,50,500":
+            o.conns = "50"
+    o.servers = o.servers or "beanstalkd,ours,floor"
     o.reps = o.reps or (1 if o.quick else 3)
     o.seconds = o.seconds or (1.0 if o.quick else 3.0)
     o.warmup = o.warmup if o.warmup is not None else (0.2 if o.quick else 0.5)
@@ -431,6 +444,10 @@ def table_from(path: str) -> int:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.table_from and opts.breakdown:
+        import breakdown
+
+        return breakdown.table_from(opts.table_from)
     if opts.table_from:
         return table_from(opts.table_from)
     os.chdir(ROOT)  # `python -m broker` must find the package
@@ -438,6 +455,10 @@ def main(argv=None) -> int:
     nofile = raise_nofile()
     if opts.profile:
         return profile_ours(opts.profile, opts)
+    if opts.breakdown:
+        import breakdown
+
+        return breakdown.main(opts)
     if opts.instructions:
         import instructions
 

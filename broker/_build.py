@@ -29,7 +29,8 @@ NO_COMPILE_ENV = "SPARK_BEANSTALK_NO_COMPILE"
 GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # The modules setup.py compiles (the per-command path); everything else stays interpreted.
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.model", "broker.queue",
-                               "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection")
+                               "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection",
+                               "broker.stats")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 

@@ -99,3 +99,55 @@ def test_broker_bench_floor_missing_is_a_clear_error(tmp_path):
                           "--depths", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 2
     assert "python_floor.py) was not found" in res.stderr and "nowhere.py" in res.stderr
+
+
+def _breakdown_module():
+    _bench_module()  # puts bench/ on sys.path for `import broker_bench, servers`
+    if "breakdown" not in sys.modules:  # its dataclass needs the module registered while it loads
+        spec = importlib.util.spec_from_file_location("breakdown", BENCH / "breakdown.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["breakdown"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["breakdown"]
+
+
+def test_breakdown_classifies_perf_samples():
+    """Each sample goes to the category of the object it hit; the kernel's net stack is split out."""
+    bd = _breakdown_module()
+    lines = "\n".join([
+        " ffffffff81a0 tcp_sendmsg_locked ([kernel.kallsyms])",
+        " ffffffff81a1 entry_SYSCALL_64 ([kernel.kallsyms])",
+        " 7f0000000001 uv__io_poll (/usr/lib/python3/dist-packages/uvloop/loop.cpython-311-x86_64-linux-gnu.so)",
+        " 7f0000000002 _PyEval_EvalFrameDefault (/root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0)",
+        " 7f0000000003 CPyDef_queue___Queue___put (/work/x/broker/queue.cpython-311-x86_64-linux-gnu.so)",
+        " 7f0000000004 CPyDef_x (/work/x/broker__mypyc.cpython-311-x86_64-linux-gnu.so)",
+        " 7f0000000005 __memmove_avx_unaligned_erms (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+        "not a sample line",
+    ])
+    split = bd.parse_script(lines, "ours")
+    assert split.total == 7 and split.net == 1
+    assert split.counts == {"kernel": 2, "uvloop": 1, "cpython": 1, "own": 2, "other": 1}
+    assert bd.classify("/usr/bin/beanstalkd", "beanstalkd") == "own"
+    assert bd.classify("/usr/bin/beanstalkd", "ours") == "other"
+
+
+def test_breakdown_one_row_of_ours(tmp_path):
+    """`broker_bench.py --breakdown` on one tiny row: a table, and a split that adds up (~5 s)."""
+    why = _breakdown_module().perf_usable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "bd.json"
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--breakdown", "--servers", "ours",
+                          "--workloads", "cycle", "--conns", "1", "--depths", "1", "--seconds", "0.4",
+                          "--warmup", "0.1", "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "**cycle 1x1** (pinned)" in res.stdout and "| ours |" in res.stdout
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    r = row["servers"]["ours"]
+    assert r["samples"] > 20 and r["errors"] == 0
+    assert abs(sum(r["shares_pct"].values()) - 100) < 0.01
+    assert abs(sum(r["us_per_cmd"].values()) - r["cpu_us_per_cmd"]) < 0.01 * r["cpu_us_per_cmd"]
+    assert r["shares_pct"]["kernel"] > 5 and r["shares_pct"]["cpython"] > 5
+    if data["meta"]["builds"]["ours"].startswith("compiled"):
+        assert r["shares_pct"]["own"] > 0  # samples inside broker/*.so

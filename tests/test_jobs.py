@@ -1,10 +1,10 @@
 """The pipelines in jobs/ against a real broker process, with the one shared SparkSession.
 
-The demo path (enqueue the sample data, drain it with the streaming ETL) is checked with
+The demo (enqueue the sample data, drain it with the streaming ETL) runs once, as the
+user runs it (`python jobs/demo.py`, its own Spark), and its outputs are checked with
 chispa against expectations computed here independently, in plain Python, from the
-sample file. The jobs run in-process through their ``run(spark, ...)`` functions so the
-whole file costs one Spark start; `test_demo_command` (marked slow) runs the README's
-command itself as a subprocess.
+sample file. The other jobs run in-process through their ``run(spark, ...)`` functions
+on the one shared SparkSession.
 """
 from __future__ import annotations
 
@@ -171,15 +171,13 @@ def test_sample_data_is_deterministic_and_shipped(tmp_path):
 # --- the demo path: enqueue + streaming ETL, checked with chispa ---------------------------------------
 
 
-@pytest.mark.spark
-@pytest.mark.timeout(600)
-def test_demo_path_end_to_end(spark, broker, tmp_path):
+def check_demo_outputs(spark, broker, out: str, summary: dict) -> None:
+    """The demo's summary, its dead-letter tube and its three outputs against expectations computed
+    here from the sample file (chispa): every valid event once, typed; every closed window; every bad line."""
     import demo
     from chispa import assert_df_equality
     from pyspark.sql import functions as F
 
-    out = str(tmp_path / "demo")
-    summary = demo.run(spark, broker.address, out, max_jobs_per_trigger=2000)  # two micro-batches
     lines = Path(SAMPLE).read_text().splitlines()
     good, bad = sample_expectations(lines)
 
@@ -343,14 +341,17 @@ def test_chained_workers_hand_off(spark, broker, tmp_path):
         assert pri == (chained_workers.URGENT_PRIORITY if big else chained_workers.NORMAL_PRIORITY)
 
 
-# --- the README's command, as a user runs it ---------------------------------------------------------
+# --- the demo, as a user runs it: the README's command, its outputs checked with chispa --------------
 
 
+@pytest.mark.spark
 @pytest.mark.timeout(900)
-def test_demo_command(tmp_path):
-    """`python jobs/demo.py`: its own broker and Spark, end to end (about a minute and a half)."""
+def test_demo_command_end_to_end(spark, broker, tmp_path):
+    """`python jobs/demo.py --hosts H:P`: its own Spark, end to end, a quiet run; then every output
+    checked against the sample file (one demo run serves both: it is the costliest part of this file)."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, os.path.join(JOBS, "demo.py"), "--out", str(out), "--json"],
+    proc = subprocess.run([sys.executable, os.path.join(JOBS, "demo.py"), "--out", str(out), "--json",
+                           "--hosts", broker.address, "--max-jobs-per-trigger", "2000"],   # two micro-batches
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -361,7 +362,20 @@ def test_demo_command(tmp_path):
     assert not noisy, noisy
     summary = json.loads(proc.stdout[proc.stdout.index("\n{\n") + 1:])
     assert summary["events"] == 3000 and summary["dead_letters"] == 12
-    assert summary["tube_left"]["ready"] == 0
-    assert "spark-beanstalk broker on 127.0.0.1:" in proc.stdout  # ours, not the beanstalkd fallback
     for part in ("events", "windows", "dead_letter"):
         assert (out / part).is_dir()
+    check_demo_outputs(spark, broker, str(out), summary)
+
+
+def test_demo_starts_our_broker_by_default():
+    """Without --hosts the demo starts our broker, not the beanstalkd fallback (the command above
+    runs with --hosts so that the test can inspect the dead-letter tube afterwards)."""
+    import demo
+
+    server, what = demo.start_broker("auto")
+    try:
+        assert what == "spark-beanstalk broker" and server.argv[1:3] == ["-m", "broker"]
+        with Connection(server.host, server.port) as conn:
+            assert conn.stats()["current-connections"] == 1     # it serves
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from spark_beanstalk.writer import (
     write_marker,
 )
 from tests.helpers import drain_tube
+from tests.spark.replay_app import run_query
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,21 +48,17 @@ def test_200_batches_leave_one_marker_tube_per_namespace(server):
         assert marker_exists(opts, ns, 150) == server.address and marker_exists(opts, ns, 200) is None
 
 
-def _run(config: dict, expect_killed: bool) -> dict | None:
+def _run_until_killed(config: dict) -> None:
+    """replay_app.py in its own process group (driver and JVM), which it SIGKILLs after batch `kill_at`'s puts."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                PYSPARK_PYTHON=sys.executable, SPARK_CONF_DIR=os.path.join(REPO, "conf"))
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "spark", "replay_app.py"), json.dumps(config)],
                           check=False, capture_output=True, text=True, timeout=240, env=env, start_new_session=True)
-    if expect_killed:
-        assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
-        return None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 @pytest.mark.timeout(600)
-def test_batch_replayed_after_driver_kill_is_skipped(broker, tmp_path):
+def test_batch_replayed_after_driver_kill_is_skipped(spark, broker, tmp_path):
     server = broker                       # markers behave alike on both servers (see the test above): one run
     src = tmp_path / "in"
     src.mkdir()
@@ -72,9 +69,10 @@ def test_batch_replayed_after_driver_kill_is_skipped(broker, tmp_path):
         (src / f"part-{f}.txt").write_text("\n".join(lines) + "\n")
     config = {"hosts": server.address, "tube": "rk", "input": str(src), "checkpoint": str(tmp_path / "ck"),
               "kill_at": 1, "flag": str(tmp_path / "killed")}
-    _run(config, expect_killed=True)
+    _run_until_killed(config)
     assert os.path.exists(config["flag"])
-    second = _run(config, expect_killed=False)
+    # the restart: the same query on the same checkpoint, here on the test session's Spark
+    second = run_query(spark, config)
     assert second["1"] == {"put": 0, "skipped": True}, second      # Spark re-ran batch 1: not put again
     assert second["2"]["put"] == 100 and "0" not in second
     assert sorted(b.decode() for b in drain_tube(server, "rk")) == sorted(expected)   # each row once

@@ -24,9 +24,9 @@ if ! command -v java >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
-# A machine with a C compiler must get the compiled core: a hot module mypyc cannot compile
+# A machine with a working C compiler must get the compiled core: a hot module mypyc cannot compile
 # would otherwise fall back to interpreted code without a word, and CI would test only that.
-if command -v cc >/dev/null 2>&1 && [ -z "${SPARK_BEANSTALK_NO_COMPILE:-}" ]; then
+if cc --version >/dev/null 2>&1 && [ -z "${SPARK_BEANSTALK_NO_COMPILE:-}" ]; then
   python3 -c 'import sys; from broker import _build; b = _build.inspect_build(); print("broker core:", b.reason); sys.exit(0 if b.compiled else 1)' \
     || { echo "the broker core did not compile (see the pip output above); SPARK_BEANSTALK_NO_COMPILE=1 skips the compile on purpose" >&2; exit 1; }
 fi

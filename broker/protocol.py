@@ -456,7 +456,7 @@ class Decoder:
                  line_cache: LineCache | None = None) -> None:
         self.line_cache: LineCache = {} if line_cache is None else line_cache
         self.auth_enabled = auth_enabled  # the `auth <token>` extension (broker.security)
-        self.buf = bytearray()
+        self.buf: bytes | bytearray = b""  # see feed()
         self.pos = 0
         self.max_job_size = max_job_size
         self.mode = _LINE
@@ -465,14 +465,25 @@ class Decoder:
         self.header_sent = False
 
     def feed(self, data: bytes) -> None:
+        """Buffer ``data``. With nothing buffered the packet itself becomes the buffer, so lines
+        and bodies are sliced from it as bytes (no copy into a bytearray and out again: two
+        allocations and a call per slice); a partial command left in it moves to a bytearray
+        when more arrives, which then grows in place (large bodies in many packets stay linear)."""
         buf = self.buf
-        if self.pos and self.pos == len(buf):
-            buf.clear()
+        pos = self.pos
+        if pos >= len(buf):
+            self.buf = data if type(data) is bytes else bytes(data)
             self.pos = 0
-        elif self.pos > 65536 and self.pos * 2 > len(buf):
-            del buf[: self.pos]
+        elif isinstance(buf, bytes):
+            grown = bytearray(buf[pos:])
+            grown += data
+            self.buf = grown
             self.pos = 0
-        buf += data
+        else:
+            if pos > 65536 and pos * 2 > len(buf):
+                del buf[:pos]
+                self.pos = 0
+            buf += data
 
     def buffered(self) -> int:
         """Bytes received but not yet consumed."""
@@ -529,7 +540,9 @@ class Decoder:
                 self.mode = _ENDLINE
                 return self._next_endline()
             return None
-        line = bytes(buf[start:cr])
+        line = buf[start:cr]
+        if type(line) is not bytes:  # sliced from a bytearray (see feed)
+            line = bytes(line)
         self.pos = cr + 2
         cmd = self.line_cache.get(line)  # a hit is a well-formed line (auth lines are never cached)
         if cmd is None:
@@ -549,8 +562,10 @@ class Decoder:
         end = cr + size + 4
         if len(buf) >= end:  # the whole body is here already: the common case
             self.pos = end
-            body = bytes(buf[cr + 2:end - 2]) if buf[end - 2] == 13 and buf[end - 1] == 10 else None
-            return _new(Put, ("put", pri, delay, ttr, body, False))
+            if buf[end - 2] != 13 or buf[end - 1] != 10:
+                return _new(Put, ("put", pri, delay, ttr, None, False))
+            body = buf[cr + 2:end - 2]
+            return _new(Put, ("put", pri, delay, ttr, body if type(body) is bytes else bytes(body), False))
         self.pending = cmd
         self.need = size + 2
         self.header_sent = False

@@ -63,13 +63,11 @@ def make_ours():
     from broker.server import BrokerServer, ServerConfig, tune_gc
 
     tune_gc()  # as run_server does: millions of long-lived jobs must not be re-scanned
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
     server = BrokerServer(ServerConfig())
-    server._loop = loop
+    server._loop = asyncio.get_running_loop()  # reserves set the loop timer: run inside a loop
     from broker.server import BrokerConnection
 
-    conn = BrokerConnection(server)
+    conn = BrokerConnection(server.state)
     conn.connection_made(Sink())
     conn.data_received(b"use bench\r\n")
     conn.data_received(b"watch bench\r\n")
@@ -115,11 +113,16 @@ def main() -> int:
         return instructions(opts)
     import servers
 
-    conn = make_ours() if opts.server == "ours" else make_floor(str(servers.floor_script(opts.floor)))
-    run(conn, opts.workload, 3000)  # warm-up
-    t0 = time.perf_counter()
-    run(conn, opts.workload, opts.n)
-    dt = time.perf_counter() - t0
+    floor = str(servers.floor_script(opts.floor))
+
+    async def measure() -> float:
+        conn = make_ours() if opts.server == "ours" else make_floor(floor)
+        run(conn, opts.workload, 3000)  # warm-up
+        t0 = time.perf_counter()
+        run(conn, opts.workload, opts.n)
+        return time.perf_counter() - t0
+
+    dt = asyncio.run(measure())
     print(f"{opts.server} {opts.workload}: {dt / opts.n * 1e6:.2f} us per command ({opts.n} commands)")
     return 0
 

@@ -204,13 +204,18 @@ class BrokerConnection(asyncio.Protocol):
                     reply = self._execute(cmd)
                 finally:
                     self.busy = False
+                state = self.state
                 if reply is None:
                     self._flush()  # what a reserve got through deliver(), if anything
                 elif self.out:
                     self.out.append(reply)
                     self._flush()
-                else:
+                elif state.group_commit or state.sync_point is not None or self.closing:
                     self._write(reply)
+                else:  # _write and send, inlined: every depth-1 command comes here
+                    self.transport.write(reply)
+                    if self.flow.write_paused:
+                        self._check_output()
                 timer = self.timer
                 if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check, inlined: every command
                     timer.reschedule()
@@ -276,12 +281,13 @@ class BrokerConnection(asyncio.Protocol):
         self.busy = True
         handled = 0
         pending = 0  # bytes of the large replies (jobs, stats) gathered since the last write
+        flush_bytes = _FLUSH_BYTES
         try:
             while True:
                 handled += 1
                 # Write out every 64 commands or 64 KiB of replies: output stays bounded (a
                 # client pipelining `peek` of big jobs), back-pressure is noticed promptly.
-                if not handled & 63 or pending > _FLUSH_BYTES:
+                if not handled & 63 or pending > flush_bytes:
                     pending = 0
                     self._flush()
                     if flow.write_paused or self.closing:
@@ -390,8 +396,12 @@ class BrokerConnection(asyncio.Protocol):
         if self.closing:
             return
         self.transport.write(data)
-        flow = self.flow
-        if flow.write_paused and flow.output_over_limit():
+        if self.flow.write_paused:
+            self._check_output()
+
+    def _check_output(self) -> None:
+        """After a write to a paused client: close it once it leaves too much unread."""
+        if self.flow.output_over_limit():
             self.queue.refusals.refuse("slow_reader", self.peer,
                                        f"{self.transport.get_write_buffer_size()} reply bytes unread")
             self.closing = True

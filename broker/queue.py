@@ -390,7 +390,8 @@ class Queue:
             pri = shared_int(pool, pri)
         if ttr > 256:
             ttr = shared_int(pool, ttr)
-        job = Job(job_id, tube, pri, delay * NS, ttr or 1, body, created)  # TTR 0 means 1 s
+        delay_ns = delay * NS
+        job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:
             try:
                 self.listener.job_put(job)
@@ -401,7 +402,7 @@ class Queue:
         self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1
-        self._enqueue(job, job.delay, now)
+        self._enqueue(job, delay_ns, now)
         return b"INSERTED %d\r\n" % job_id
 
     def reserve(self, client: Client, timeout: int = -1) -> bytes | None:

@@ -232,6 +232,7 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iter
     buried: list[tuple[int, RecoveredJob]] = []
     jobs = rec.jobs
     updates = rec.updates
+    table_for = len(jobs)  # a dict keeps its table when emptied: copy it once it is half empty
     for seg_no, seg_ids in enumerate(rec.full_ids):
         data = rec.datas[seg_no]
         if data is None or seg_ids is None:
@@ -260,6 +261,9 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iter
         tally.bytes += nbytes
         rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
         rec.full_ids[seg_no] = None
+        if 2 * len(jobs) < table_for:
+            rec.jobs = jobs = dict(jobs)
+            table_for = len(jobs)
     tally.buried = len(buried)
     buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
     for _, job in buried:

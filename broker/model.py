@@ -30,7 +30,6 @@ T = TypeVar("T")
 # equal ints, served once: the first makes the job leave the state, the second is then stale.
 ID_BITS = 64
 ID_MASK = (1 << ID_BITS) - 1
-NO_ENTRY = -1  # "no live entry" (entries are >= 0: priorities are, and so are clock deadlines)
 
 
 def heap_entry(key: int, job_id: int) -> int:
@@ -249,19 +248,17 @@ class Tube:
         job = self.jobs.get(entry & ID_MASK)
         return job is not None and job.state == DELAYED and job.tube is self and job.deadline == entry >> ID_BITS
 
-    def ready_entry(self) -> int:
-        """The top live entry of the ready heap (stale ones above it are dropped), or NO_ENTRY."""
+    def ready_top(self) -> Job | None:
+        """The job of the top live entry of the ready heap (stale ones above it are dropped)."""
         heap = self.ready
+        jobs = self.jobs
         while heap:
             entry = heap[0]
-            if self.ready_live(entry):
-                return entry
+            job = jobs.get(entry & ID_MASK)  # ready_live, inlined: this is the reserve path
+            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS:
+                return job
             heapq.heappop(heap)
-        return NO_ENTRY
-
-    def ready_top(self) -> Job | None:
-        entry = self.ready_entry()
-        return None if entry == NO_ENTRY else self.jobs[entry & ID_MASK]
+        return None
 
     def delayed_top(self) -> Job | None:
         heap = self.delayed

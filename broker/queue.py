@@ -24,9 +24,8 @@ from broker.limits import Limits, Refusals
 from broker.model import (
     BURIED,
     DELAYED,
-    ID_MASK,
+    ID_BITS,
     INVALID,
-    NO_ENTRY,
     NS,
     READY,
     RESERVED,
@@ -37,7 +36,6 @@ from broker.model import (
     Job,
     SwapSet,
     Tube,
-    heap_entry,
     job_reply,
     shared_int,
 )
@@ -188,13 +186,13 @@ class Queue:
         tube = job.tube
         if delay:
             job.deadline = now + delay
-            heapq.heappush(tube.delayed, heap_entry(job.deadline, job.id))
+            heapq.heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = DELAYED
             tube.delayed_count += 1
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            heapq.heappush(tube.ready, heap_entry(job.pri, job.id))
+            heapq.heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -387,9 +385,9 @@ class Queue:
                 created = self.recent_now = now
         pool = self.int_pool  # a priority or TTR above 256 would be a new int object per job
         if pri > 256:
-            pri = shared_int(pool, pri)
+            pri = pool.get(pri) or shared_int(pool, pri)
         if ttr > 256:
-            ttr = shared_int(pool, ttr)
+            ttr = pool.get(ttr) or shared_int(pool, ttr)
         delay_ns = delay * NS
         job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:
@@ -449,24 +447,25 @@ class Queue:
         waiting on a tube that has ready jobs and is not paused, so this client is the
         one served; only the rotation counter of that tube's wait list moves.
         """
-        best = NO_ENTRY  # the heap entry to serve: the least (pri, id)
+        best: Job | None = None  # the job to serve: the least (pri, id)
         for tube in client.watch.items:
             if tube.ready_count and not tube.waiting.items:
                 if tube.pause:
                     if tube.unpause_at > now:
                         continue
                     tube.pause = 0
-                entry = tube.ready_entry()
-                if entry != NO_ENTRY and (best == NO_ENTRY or entry < best):
-                    best = entry
-        if best == NO_ENTRY:
+                job = tube.ready_top()
+                if job is not None and (best is None or job.pri < best.pri
+                                        or (job.pri == best.pri and job.id < best.id)):
+                    best = job
+        if best is None:
             return None
         if self.waiting_ct:
             # Another waiting client could be owed a better job elsewhere; do it the slow way.
             for tube in self.waited_tubes:
                 if tube.ready_count and (not tube.pause or tube.unpause_at <= now):
                     return None
-        job = self.jobs[best & ID_MASK]
+        job = best
         tube = job.tube
         tube.waiting.last_use = 1
         heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind

@@ -51,10 +51,10 @@ def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
         if tube is None:
             tube = tubes[tube_name] = queue_apply.tube(queue, tube_name)
         if pri > 256:
-            pri = shared_int(pool, pri)
+            pri = pool.get(pri) or shared_int(pool, pri)
         ttr = ttr_ns // NS
         if ttr > 256:
-            ttr = shared_int(pool, ttr)
+            ttr = pool.get(ttr) or shared_int(pool, ttr)
         job = Job(job_id, tube, pri, delay_ns, ttr, body, created)
         if counters[0] or counters[1] or counters[2] or counters[3] or counters[4]:
             job.set_counters(counters)

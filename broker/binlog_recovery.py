@@ -18,14 +18,15 @@ import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
 from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY
 from broker.queue_restore import RecoveredJob
 
-LOC_BITS = 40
-LOC_MASK = (1 << LOC_BITS) - 1
+LOC_BITS: Final = 40
+LOC_MASK: Final = (1 << LOC_BITS) - 1
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
@@ -28,8 +28,8 @@ T = TypeVar("T")
 # boxed key and id beside it. The job is found by id; an entry is live while its job is still in
 # that tube and state with that key (lazy deletion). Two live entries of one job can only be
 # equal ints, served once: the first makes the job leave the state, the second is then stale.
-ID_BITS = 64
-ID_MASK = (1 << ID_BITS) - 1
+ID_BITS: Final = 64
+ID_MASK: Final = (1 << ID_BITS) - 1
 
 
 def heap_entry(key: int, job_id: int) -> int:

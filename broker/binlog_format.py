@@ -64,35 +64,38 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 MAGIC = b"SBKBLOG\n"
 FORMAT_VERSION = 1
 SEGMENT_PREFIX = "binlog."
 SEGMENT_SUFFIX = ".sbl"
 
-K_JOB = 1
-K_UPDATE = 2
-K_DELETE = 3
+K_JOB: Final = 1
+K_UPDATE: Final = 2
+K_DELETE: Final = 3
 
 S_READY, S_DELAYED, S_RESERVED, S_BURIED = 0, 1, 2, 3  # the queue's numbering (broker.queue)
 
 SEGMENT_HEADER = struct.Struct("<8sHHIQq")  # + crc I + 4 pad bytes
 HEADER_CRC = struct.Struct("<I4x")
-HEADER_SIZE = SEGMENT_HEADER.size + HEADER_CRC.size  # 40
+HEADER_SIZE: Final = 40  # SEGMENT_HEADER.size + HEADER_CRC.size
 
 FRAME = struct.Struct("<II")
-FRAME_SIZE = FRAME.size  # 8
+FRAME_SIZE: Final = 8  # FRAME.size; literals (checked below) let mypyc inline them
 JOB = struct.Struct("<BQBIqqqqIIIIIB")
-JOB_SIZE = JOB.size  # fixed part of a K_JOB payload; tube name and body follow
+JOB_SIZE: Final = 67  # JOB.size: fixed part of a K_JOB payload; tube name and body follow
 UPDATE = struct.Struct("<BQBIqqIIIII")
-UPDATE_SIZE = UPDATE.size
+UPDATE_SIZE: Final = 50  # UPDATE.size
 DELETE = struct.Struct("<BQ")
-DELETE_SIZE = DELETE.size
-DELETE_RECORD_SIZE = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
-UPDATE_RECORD_SIZE = FRAME_SIZE + UPDATE_SIZE
-JOB_RECORD_FIXED = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus its tube name and body
+DELETE_SIZE: Final = 9  # DELETE.size
+DELETE_RECORD_SIZE: Final = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
+UPDATE_RECORD_SIZE: Final = FRAME_SIZE + UPDATE_SIZE
+JOB_RECORD_FIXED: Final = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus its tube name and body
 ID = struct.Struct("<Q")
+_STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size)
+if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE):
+    raise ImportError("binlog_format: a size constant does not match its struct")
 
 crc32 = zlib.crc32
 Buffer = bytes | bytearray | memoryview

@@ -18,14 +18,15 @@ import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
-from broker.queue import BURIED, DELAYED, READY
+from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY
 from broker.queue_restore import RecoveredJob
 
-LOC_BITS = 40
-LOC_MASK = (1 << LOC_BITS) - 1
+LOC_BITS: Final = 40
+LOC_MASK: Final = (1 << LOC_BITS) - 1
 
 
 @dataclass
@@ -218,6 +219,9 @@ class RestoreTally:
     bytes: int = 0
 
 
+NO_COUNTERS = (0, 0, 0, 0, 0)
+
+
 def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iterator[RecoveredJob]:
     """The latest state of every live job, in log order, buried jobs last (in burial order).
 
@@ -225,65 +229,88 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iter
     so that the log is not held in memory next to the restored jobs. ``wall_off`` turns
     the log's wall-clock times into the queue's clock.
     """
-    tube_names: dict[bytes, str] = {}
+    decoder = _Decoder(wall_off)
     buried: list[tuple[int, RecoveredJob]] = []
+    jobs = rec.jobs
+    updates = rec.updates
+    table_for = len(jobs)  # a dict keeps its table when emptied: copy it once it is half empty
     for seg_no, seg_ids in enumerate(rec.full_ids):
         data = rec.datas[seg_no]
         if data is None or seg_ids is None:
             continue
         home = rec.indexes[seg_no]
         home_ids = tally.home_ids[home]
-        here = 0
+        here = nbytes = 0
         for jid in seg_ids:
-            loc = rec.jobs.get(jid)
-            if loc is None or loc >> LOC_BITS != seg_no:
-                continue  # deleted, or a later K_JOB record of it exists
-            del rec.jobs[jid]
-            job = _recovered(data, loc, home, rec, wall_off, tube_names)
+            loc = jobs.pop(jid, -1)
+            if loc < 0:
+                continue  # deleted, or restored already
+            if loc >> LOC_BITS != seg_no:
+                jobs[jid] = loc  # a later K_JOB record of it exists
+                continue
+            newer = updates.pop(jid, None) if updates else None
+            job = decoder.job(data, loc & LOC_MASK, home, newer)
             home_ids.append(jid)
             here += 1
-            tally.bytes += fmt.FRAME_SIZE + fmt.record_length(data, loc & LOC_MASK)
+            nbytes += decoder.size
             if job.state == BURIED:
-                update = rec.updates.get(jid)
-                buried.append((loc if update is None else update[0], job))
+                buried.append((loc if newer is None else newer[0], job))
             else:
                 yield job
-            rec.updates.pop(jid, None)
         tally.live[home] += here
         tally.jobs += here
+        tally.bytes += nbytes
         rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
         rec.full_ids[seg_no] = None
+        if 2 * len(jobs) < table_for:
+            rec.jobs = jobs = dict(jobs)
+            table_for = len(jobs)
     tally.buried = len(buried)
     buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
     for _, job in buried:
         yield job
 
 
-def _recovered(data: bytes, loc: int, home: int, rec: ScanResult, wall_off: int,
-               tube_names: dict[bytes, str]) -> RecoveredJob:
-    """Decode one job's K_JOB record, with its newest K_UPDATE applied."""
-    pos = loc & LOC_MASK
-    f = fmt.decode_job(data, pos)
-    tstart = pos + fmt.JOB_RECORD_FIXED
-    bstart = tstart + f.tube_len
-    tb = data[tstart:bstart]
-    name = tube_names.get(tb)
-    if name is None:
-        name = tube_names[tb] = tb.decode("latin-1")
-    body = data[bstart:pos + fmt.FRAME_SIZE + fmt.record_length(data, pos)]
-    newer = rec.updates.get(f.job_id)
-    if newer is not None and newer[1].state != fmt.S_RESERVED:
-        u = newer[1]
-        state, pri, delay, deadline = u.state, u.pri, u.delay, u.deadline
-        counters = (u.reserves, u.timeouts, u.releases, u.buries, u.kicks)
-    else:  # no update, or only reserves since the K_JOB record: its state stands
-        src: fmt.JobRecord | fmt.UpdateRecord = f if newer is None else newer[1]
-        state, pri, delay, deadline = f.state, f.pri, f.delay, f.deadline
-        counters = (src.reserves, src.timeouts, src.releases, src.buries, src.kicks)
-    if state == BURIED:
-        deadline = 0
-    elif state == DELAYED:
-        deadline -= wall_off
-    else:
-        state = READY
-    return RecoveredJob(f.job_id, name, pri, delay, f.ttr, body, state, deadline, f.created - wall_off, counters, home)
+class _Decoder:
+    """Decodes K_JOB records into :class:`RecoveredJob`; equal tube names and creation times
+    (to the millisecond, as a put keeps them) come out as one shared object."""
+
+    def __init__(self, wall_off: int) -> None:
+        self.wall_off = wall_off
+        self.tube_names: dict[bytes, str] = {}
+        self.recent_created = 0
+        self.size = 0  # bytes on disk of the record decoded last
+
+    def job(self, data: bytes, pos: int, home: int, newer: tuple[int, fmt.UpdateRecord] | None) -> RecoveredJob:
+        """One job's K_JOB record at ``pos``, with its newest K_UPDATE (``newer``) applied."""
+        length = fmt.record_length(data, pos)
+        self.size = fmt.FRAME_SIZE + length
+        (_kind, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
+         tube_len) = fmt.JOB.unpack_from(data, pos + fmt.FRAME_SIZE)
+        tstart = pos + fmt.JOB_RECORD_FIXED
+        bstart = tstart + tube_len
+        tb = data[tstart:bstart]
+        name = self.tube_names.get(tb)
+        if name is None:
+            name = self.tube_names[tb] = tb.decode("latin-1")
+        body = data[bstart:pos + self.size]
+        if newer is not None:
+            u = newer[1]
+            reserves, timeouts, releases, buries, kicks = u.reserves, u.timeouts, u.releases, u.buries, u.kicks
+            if u.state != fmt.S_RESERVED:
+                state, pri, delay, deadline = u.state, u.pri, u.delay, u.deadline
+            # else only reserves since the K_JOB record: its state stands
+        counters = ((reserves, timeouts, releases, buries, kicks)
+                    if reserves or timeouts or releases or buries or kicks else NO_COUNTERS)
+        if state == BURIED:
+            deadline = 0
+        elif state == DELAYED:
+            deadline -= self.wall_off
+        else:
+            state = READY
+        created -= self.wall_off
+        if 0 <= created - self.recent_created < CREATED_GRAIN:
+            created = self.recent_created
+        else:
+            self.recent_created = created
+        return RecoveredJob(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)

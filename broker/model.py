@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
@@ -23,12 +23,26 @@ STATE_NAMES = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
 T = TypeVar("T")
-# A ready-heap entry is (pri, id, job), a delay-heap entry (deadline, id, job); the entry a
-# job points at is its live one (lazy deletion: identity = validity).
-# (pri or deadline, id, job). Variable-length on purpose: mypyc keeps such a tuple one boxed
-# object, where a tuple[int, int, Job] would be unboxed and boxed anew on each use, and the
-# identity `job.entry is entry` is what marks an entry live.
-HeapEntry = tuple[Any, ...]
+# A heap entry is one int, ``(key << ID_BITS) | id``: key = priority (ready heap) or deadline
+# (delay heap). An int costs a third of a (key, id, job) tuple, and compiled (mypyc) it needs no
+# boxed key and id beside it. The job is found by id; an entry is live while its job is still in
+# that tube and state with that key (lazy deletion). Two live entries of one job can only be
+# equal ints, served once: the first makes the job leave the state, the second is then stale.
+ID_BITS: Final = 64
+ID_MASK: Final = (1 << ID_BITS) - 1
+
+
+def heap_entry(key: int, job_id: int) -> int:
+    return (key << ID_BITS) | job_id
+
+
+INT_POOL_MAX = 1024  # distinct values shared by shared_int; past that, new values stay per job
+
+
+def shared_int(pool: dict[int, int], value: int) -> int:
+    """``value``, as the one int object ``pool`` keeps for it: a priority or TTR above 256 (past
+    CPython's small-int cache) would otherwise be an object of its own in every job (interpreted build)."""
+    return pool.get(value, value) if len(pool) >= INT_POOL_MAX else pool.setdefault(value, value)
 
 
 class SwapSet(Generic[T]):
@@ -81,17 +95,16 @@ class SwapSet(Generic[T]):
 class Job:
     """One job; no timer handle (see broker.timers).
 
-    A broker holds millions of these, so they are lean: TTR in seconds, and the counters
-    most jobs never use (timeouts, releases, buries, kicks) share one list that exists
-    only once one of them is non-zero.
+    A broker holds millions of these, so they are lean: TTR in seconds, and what most jobs
+    never have (timeouts, releases, buries, kicks, a delay) share one list that exists only
+    once one of them is non-zero. 12 slots: one more costs 16 bytes a job (allocations are
+    in 16-byte steps).
     """
 
     __slots__ = (
         "body",
         "created",
         "deadline",
-        "delay",
-        "entry",
         "file",
         "id",
         "pri",
@@ -107,24 +120,22 @@ class Job:
         self.id = job_id
         self.tube = tube
         self.pri = pri
-        self.delay = delay  # ns
         self.ttr = ttr  # seconds: small ints are shared, ns would cost an int object per job
         self.body = body
         self.state = INVALID
         self.created = created
         self.deadline = 0
         self.reserver: Client | None = None
-        self.entry: HeapEntry | None = None  # current ready/delay heap entry (identity = validity)
         self.reserves = 0
-        self.rare: list[int] | None = None
+        self.rare: list[int] | None = None if not delay else [0, 0, 0, 0, delay]
         self.file = 0
 
     def __lt__(self, other: Job) -> bool:
-        """Heap entries ``(key, id, job)`` tie only when a job is queued again under the key of its
-        own stale entry (replication apply re-creating a job a replayed record names): either order is right."""
+        """Entries ``(deadline, id, job)`` of a client's TTR heap tie only for one job reserved twice
+        with the same deadline (an injected clock that stands still): either order is right."""
         return False
 
-    # The rarely used counters live in ``rare``, created on the first non-zero value. Plain
+    # The rarely used fields live in ``rare``, created on the first non-zero value. Plain
     # properties: mypyc compiles them (a property object built by a helper it cannot).
     def _rare_get(self, index: int) -> int:
         rare = self.rare
@@ -132,7 +143,9 @@ class Job:
 
     def _rare_set(self, index: int, value: int) -> None:
         if self.rare is None:
-            self.rare = [0, 0, 0, 0]
+            if not value:
+                return
+            self.rare = [0, 0, 0, 0, 0]
         self.rare[index] = value
 
     @property
@@ -167,11 +180,20 @@ class Job:
     def kicks(self, value: int) -> None:
         self._rare_set(3, value)
 
+    @property
+    def delay(self) -> int:
+        """ns: the delay of its last put or release."""
+        return self._rare_get(4)
+
+    @delay.setter
+    def delay(self, value: int) -> None:
+        self._rare_set(4, value)
+
     def set_counters(self, counters: tuple[int, int, int, int, int]) -> None:
         """(reserves, timeouts, releases, buries, kicks), as a recovered job had them."""
         self.reserves = counters[0]
         if counters[1] or counters[2] or counters[3] or counters[4]:
-            self.rare = list(counters[1:])
+            self.rare = [counters[1], counters[2], counters[3], counters[4], self.delay]
 
 
 class Tube:
@@ -181,6 +203,7 @@ class Tube:
         "buried",
         "delayed",
         "delayed_count",
+        "jobs",
         "name",
         "pause",
         "pause_count",
@@ -197,12 +220,13 @@ class Tube:
         "watching",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, jobs: dict[int, Job]) -> None:
         self.name = name
-        self.ready: list[HeapEntry] = []  # heap of (pri, id, job); stale entries skipped
+        self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id
+        self.ready: list[int] = []  # heap of heap_entry(pri, id); stale entries skipped
         self.ready_count = 0
         self.urgent_count = 0
-        self.delayed: list[HeapEntry] = []  # heap of (deadline, id, job)
+        self.delayed: list[int] = []  # heap of heap_entry(deadline, id)
         self.delayed_count = 0
         self.buried: dict[int, Job] = {}  # FIFO by insertion
         self.reserved_count = 0
@@ -216,38 +240,50 @@ class Tube:
         self.unpause_at = 0
         self.refs = 0
 
+    def ready_live(self, entry: int) -> bool:
+        job = self.jobs.get(entry & ID_MASK)
+        return job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS
+
+    def delayed_live(self, entry: int) -> bool:
+        job = self.jobs.get(entry & ID_MASK)
+        return job is not None and job.state == DELAYED and job.tube is self and job.deadline == entry >> ID_BITS
+
     def ready_top(self) -> Job | None:
-        return live_top(self.ready)
+        """The job of the top live entry of the ready heap (stale ones above it are dropped)."""
+        heap = self.ready
+        jobs = self.jobs
+        while heap:
+            entry = heap[0]
+            job = jobs.get(entry & ID_MASK)  # ready_live, inlined: this is the reserve path
+            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS:
+                return job
+            heapq.heappop(heap)
+        return None
 
     def delayed_top(self) -> Job | None:
-        return live_top(self.delayed)
-
-
-def live_entry(heap: list[HeapEntry]) -> HeapEntry | None:
-    """The first entry of a lazily-deleted job heap that is still its job's current entry
-    (stale ones above it are dropped)."""
-    while heap:
-        entry = heap[0]
-        job: Job = entry[2]
-        if job.entry is entry:
-            return entry
-        heapq.heappop(heap)
-    return None
-
-
-def live_top(heap: list[HeapEntry]) -> Job | None:
-    entry = live_entry(heap)
-    if entry is None:
+        heap = self.delayed
+        while heap:
+            entry = heap[0]
+            if self.delayed_live(entry):
+                return self.jobs[entry & ID_MASK]
+            heapq.heappop(heap)
         return None
-    job: Job = entry[2]
-    return job
+
+    def prune_ready(self) -> None:
+        """Rebuild the ready heap once stale entries outnumber live ones."""
+        heap = self.ready
+        if len(heap) > 2 * self.ready_count + 64:
+            self.ready = _rebuilt([e for e in heap if self.ready_live(e)])
+
+    def prune_delayed(self) -> None:
+        heap = self.delayed
+        if len(heap) > 2 * self.delayed_count + 64:
+            self.delayed = _rebuilt([e for e in heap if self.delayed_live(e)])
 
 
-def pruned(heap: list[HeapEntry], live: int) -> list[HeapEntry]:
-    """Rebuild a lazily-deleted job heap once stale entries outnumber live ones."""
-    if len(heap) <= 2 * live + 64:
-        return heap
-    fresh = [e for e in heap if e[2].entry is e]
+def _rebuilt(live: list[int]) -> list[int]:
+    """A heap of the live entries, each once (a job queued again under its stale entry's key has two)."""
+    fresh = list(set(live))
     heapq.heapify(fresh)
     return fresh
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from mypy_extensions import mypyc_attr
 
@@ -24,6 +24,7 @@ from broker.limits import Limits, Refusals
 from broker.model import (
     BURIED,
     DELAYED,
+    ID_BITS,
     INVALID,
     NS,
     READY,
@@ -32,13 +33,11 @@ from broker.model import (
     STATE_NAMES,
     URGENT_THRESHOLD,
     Client,
-    HeapEntry,
     Job,
     SwapSet,
     Tube,
     job_reply,
-    live_entry,
-    pruned,
+    shared_int,
 )
 from broker.stats import OP_STAT_ORDER, HostFacts
 from broker.timers import (
@@ -50,6 +49,8 @@ from broker.timers import (
 
 __all__ = ["BURIED", "DELAYED", "INVALID", "NS", "READY", "RESERVED", "STATE_NAMES", "URGENT_THRESHOLD",
            "Client", "Job", "Queue", "QueueListener", "StorageFull", "Tube"]
+
+CREATED_GRAIN = 1_000_000  # ns: `created` may be this much early (ages are reported in whole seconds)
 
 
 class StorageFull(Exception):
@@ -113,6 +114,9 @@ class Queue:
         self.tubes: SwapSet[Tube] = SwapSet()
         self.tube_by_name: dict[str, Tube] = {}
         self.jobs: dict[int, Job] = {}
+        # Memory per job (interpreted build): equal ints shared, not one object per job each
+        self.recent_now = 0
+        self.int_pool: dict[int, int] = {}
         self.next_id = 1
         self.timers = TimerHeap(self._timer_is_current)
         self.waited_tubes: dict[Tube, None] = {}
@@ -151,7 +155,7 @@ class Queue:
     def _tube(self, name: str) -> Tube:
         tube = self.tube_by_name.get(name)
         if tube is None:
-            tube = Tube(name)
+            tube = Tube(name, self.jobs)
             self.tube_by_name[name] = tube
             self.tubes.append(tube)
         return tube
@@ -178,24 +182,17 @@ class Queue:
 
     # -- job movement --------------------------------------------------------------
     def _enqueue(self, job: Job, delay: int, now: int) -> None:
-        # Typed Any: compiled (mypyc), a typed tuple would be unboxed and boxed again per use, and
-        # `job.entry is entry` (one object in the heap and on the job) marks the live entry.
-        entry: Any
         job.reserver = None
         tube = job.tube
         if delay:
             job.deadline = now + delay
-            entry = (job.deadline, job.id, job)
-            job.entry = entry
-            heapq.heappush(tube.delayed, entry)
+            heapq.heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = DELAYED
             tube.delayed_count += 1
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            entry = (job.pri, job.id, job)
-            job.entry = entry
-            heapq.heappush(tube.ready, entry)
+            heapq.heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -206,21 +203,21 @@ class Queue:
             self._process_queue(now)
 
     def _remove_ready(self, job: Job) -> None:
-        job.entry = None
+        """The caller moves the job out of READY next: its heap entry is stale from then on."""
         tube = job.tube
         tube.ready_count -= 1
         self.ready_ct -= 1
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
             self.urgent_ct -= 1
-        tube.ready = pruned(tube.ready, tube.ready_count)
+        tube.prune_ready()
 
     def _remove_delayed(self, job: Job) -> None:
-        job.entry = None
+        """The caller moves the job out of DELAYED (or re-queues it) next."""
         tube = job.tube
         tube.delayed_count -= 1
         self.delayed_ct -= 1
-        tube.delayed = pruned(tube.delayed, tube.delayed_count)
+        tube.prune_delayed()
 
     def _remove_buried(self, job: Job) -> None:
         del job.tube.buried[job.id]
@@ -381,7 +378,18 @@ class Queue:
             return p.OUT_OF_MEMORY
         now = self.clock()
         tube = client.use
-        job = Job(job_id, tube, pri, delay * NS, ttr or 1, body, now)  # TTR 0 means 1 s
+        created = now
+        if not delay:  # jobs put within a millisecond share one `created` int (a delayed job's deadline is exact)
+            created = self.recent_now
+            if now - created >= CREATED_GRAIN or now < created:
+                created = self.recent_now = now
+        pool = self.int_pool  # a priority or TTR above 256 would be a new int object per job
+        if pri > 256:
+            pri = pool.get(pri) or shared_int(pool, pri)
+        if ttr > 256:
+            ttr = pool.get(ttr) or shared_int(pool, ttr)
+        delay_ns = delay * NS
+        job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:
             try:
                 self.listener.job_put(job)
@@ -392,7 +400,7 @@ class Queue:
         self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1
-        self._enqueue(job, job.delay, now)
+        self._enqueue(job, delay_ns, now)
         return b"INSERTED %d\r\n" % job_id
 
     def reserve(self, client: Client, timeout: int = -1) -> bytes | None:
@@ -439,16 +447,17 @@ class Queue:
         waiting on a tube that has ready jobs and is not paused, so this client is the
         one served; only the rotation counter of that tube's wait list moves.
         """
-        best: HeapEntry | None = None  # the (pri, id, job) heap entry to serve
+        best: Job | None = None  # the job to serve: the least (pri, id)
         for tube in client.watch.items:
             if tube.ready_count and not tube.waiting.items:
                 if tube.pause:
                     if tube.unpause_at > now:
                         continue
                     tube.pause = 0
-                entry = live_entry(tube.ready)
-                if entry is not None and (best is None or entry < best):  # by (pri, id): ids are unique
-                    best = entry
+                job = tube.ready_top()
+                if job is not None and (best is None or job.pri < best.pri
+                                        or (job.pri == best.pri and job.id < best.id)):
+                    best = job
         if best is None:
             return None
         if self.waiting_ct:
@@ -456,7 +465,7 @@ class Queue:
             for tube in self.waited_tubes:
                 if tube.ready_count and (not tube.pause or tube.unpause_at <= now):
                     return None
-        job = best[2]
+        job = best
         tube = job.tube
         tube.waiting.last_use = 1
         heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind

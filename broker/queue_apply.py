@@ -28,7 +28,7 @@ def apply_job(queue: Queue, job_id: int, tube_name: str, pri: int, delay_ns: int
     if job_id >= queue.next_id:
         queue.next_id = job_id + 1
     _place(queue, job, state, deadline)
-    if job.state == BURIED or job.reserves or job.rare is not None:
+    if job.state == BURIED or job.reserves or counters[1] or counters[2] or counters[3] or counters[4]:
         queue.listener.job_updated(job)
 
 
@@ -40,8 +40,8 @@ def apply_state(queue: Queue, job_id: int, state: int, pri: int, delay_ns: int, 
         return
     _detach(queue, job)
     job.pri = pri
+    job.rare = None  # counters and delay, set anew
     job.delay = delay_ns
-    job.rare = None
     job.set_counters(counters)
     _place(queue, job, state, deadline)
     queue.listener.job_updated(job)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from broker import queue_apply
+from broker.model import ID_BITS, shared_int
 from broker.queue import BURIED, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
 from broker.timers import DELAYED_READY
 
@@ -44,31 +45,37 @@ def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
     timers = queue.timers
     n = held = ready = urgent = delayed = 0
     max_id = queue.next_id - 1
+    pool = queue.int_pool  # equal priorities and TTRs share one int object, as after a put
     for job_id, tube_name, pri, delay_ns, ttr_ns, body, state, deadline, created, counters, file in records:
         tube = tubes.get(tube_name)
         if tube is None:
             tube = tubes[tube_name] = queue_apply.tube(queue, tube_name)
-        job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
-        job.set_counters(counters)
+        if pri > 256:
+            pri = pool.get(pri) or shared_int(pool, pri)
+        ttr = ttr_ns // NS
+        if ttr > 256:
+            ttr = pool.get(ttr) or shared_int(pool, ttr)
+        job = Job(job_id, tube, pri, delay_ns, ttr, body, created)
+        if counters[0] or counters[1] or counters[2] or counters[3] or counters[4]:
+            job.set_counters(counters)
         job.file = file
         tube.refs += 1
         jobs[job_id] = job
         held += len(body)
         n += 1
-        max_id = max(max_id, job_id)
+        if job_id > max_id:
+            max_id = job_id
         if state == BURIED:
             queue_apply.restore_buried(queue, job)
         elif state == DELAYED and deadline > now:
             job.deadline = deadline
-            job.entry = entry = (deadline, job_id, job)
-            tube.delayed.append(entry)
+            tube.delayed.append((deadline << ID_BITS) | job_id)  # heap_entry, inlined
             job.state = DELAYED
             tube.delayed_count += 1
             delayed += 1
             timers.push(deadline, DELAYED_READY, job)
         else:
-            job.entry = entry = (pri, job_id, job)
-            tube.ready.append(entry)
+            tube.ready.append((pri << ID_BITS) | job_id)  # heap_entry, inlined
             job.state = READY
             tube.ready_count += 1
             ready += 1

@@ -365,3 +365,22 @@ def test_parse_packet_agrees_with_the_incremental_decoder(cases):
         items = drain(slow)
         if fast is not None:  # it may decline, never disagree
             assert [fast] == items and slow.buffered() == 0, packet
+
+
+def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -> None:
+    """reserve-job takes a ready job out of the middle of its heap (its entry goes stale);
+    released under the same priority, the job has two equal entries: served once, and the
+    heap does not grow with repeats (the rebuild keeps each live entry once)."""
+    queue = Queue(FakeClock())
+    c = Conn(queue)
+    first = c.put(b"a", pri=5)
+    job_id = c.put(b"b", pri=5)
+    tube = queue.default_tube
+    for _ in range(500):
+        assert queue_verbs.reserve_job(queue, c.client, job_id).startswith(b"RESERVED")
+        assert queue_verbs.release(queue, c.client, job_id, 5, 0) == b"RELEASED\r\n"
+    assert len(tube.ready) <= 2 * tube.ready_count + 64 + 1
+    assert c.reserve(0) == b"RESERVED %d 1\r\na\r\n" % first
+    assert c.reserve(0) == b"RESERVED %d 1\r\nb\r\n" % job_id
+    assert c.reserve(0) == p.TIMED_OUT
+    assert tube.ready_count == 0

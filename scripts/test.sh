@@ -23,6 +23,11 @@ if ! command -v java >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
 fi
+if ! cc --version >/dev/null 2>&1; then  # bench/loadgen.c (the benchmark smoke tests) and the compiled broker core
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev
+fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
 # A machine with a working C compiler must get the compiled core: a hot module mypyc cannot compile
 # would otherwise fall back to interpreted code without a word, and CI would test only that.

@@ -14,7 +14,7 @@ change that must survive a crash.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import cast
 
 from mypy_extensions import mypyc_attr
@@ -136,7 +136,8 @@ class Queue:
         self.tot_conns = 0
         self.producers = 0
         self.workers = 0
-        self.extra_stats: Callable[[], dict[str, int]] | None = None
+        # --extended-stats counters and, on a replica set, the member's role and position (strings too)
+        self.extra_stats: Callable[[], Mapping[str, object]] | None = None
         self.default_tube = self._tube("default")
         self.default_tube.refs += 1  # the server's own reference: default never goes away
 

@@ -26,7 +26,7 @@ import math
 import ssl
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker import logs, security
 from broker import protocol as p
@@ -123,7 +123,7 @@ class Member:
 
         server.extra_collectors.append(ReplicationCollector(self))
         previous = queue.extra_stats
-        queue.extra_stats = lambda: {**(previous() if previous else {}), **cast("dict[str, int]", self.stats())}
+        queue.extra_stats = lambda: {**(previous() if previous else {}), **self.stats()}
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._tick()))
         if self.config.listen is not None:

@@ -352,19 +352,16 @@ def main(opts) -> int:
             "builds": {k: servers.build_of_ours(k == "ours-pure") for k in opts.servers if k.startswith("ours")}}
     print(f"# breakdown ({opts.tool}); {bb.machine_line(meta)}; load {os.getloadavg()[0]:.2f}", file=sys.stderr)
     rows = []
-    for workload in opts.workloads:
-        for conns in opts.conns:
-            for depth in opts.depths:
-                pinned = opts.pin == "all" or (opts.pin == "one" and conns == 1)
-                row = {"workload": workload, "conns": conns, "depth": depth, "pinned": pinned, "servers": {}}
-                for kind in opts.servers:
-                    try:
-                        row["servers"][kind] = measure(kind, workload, conns, depth, pinned, opts)
-                    except Exception as exc:  # noqa: BLE001 - a server that fails is a result
-                        row["servers"][kind] = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
-                    print(f"  {workload:5} {conns}x{depth} {kind:10} {_brief(row['servers'][kind])}", file=sys.stderr)
-                rows.append(row)
-                print(row_table(row) + "\n")
+    for workload, conns, depth, pinned in bb.row_grid(opts):
+        row = {"workload": workload, "conns": conns, "depth": depth, "pinned": pinned, "servers": {}}
+        for kind in opts.servers:
+            try:
+                row["servers"][kind] = measure(kind, workload, conns, depth, pinned, opts)
+            except Exception as exc:  # noqa: BLE001 - a server that fails is a result
+                row["servers"][kind] = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"  {workload:5} {conns}x{depth} {kind:10} {_brief(row['servers'][kind])}", file=sys.stderr)
+        rows.append(row)
+        print(row_table(row) + "\n")
     meta["loadavg_end"] = os.getloadavg()
     if opts.tool == "perf":
         print("Server CPU per command, split (us)\n")

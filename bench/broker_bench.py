@@ -442,6 +442,16 @@ def table_from(path: str) -> int:
     return 0
 
 
+
+def row_grid(opts):
+    """The table's rows in order, (workload, conns, depth, pinned): the one home of the pinning rule
+    (--pin one pins the 1-connection rows only), shared with --breakdown."""
+    for workload in opts.workloads:
+        for conns in opts.conns:
+            for depth in opts.depths:
+                yield workload, conns, depth, opts.pin == "all" or (opts.pin == "one" and conns == 1)
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.table_from and opts.breakdown:
@@ -487,32 +497,29 @@ def main(argv=None) -> int:
     print(f"# {machine_line(meta)}", file=sys.stderr)
 
     rows = []
-    for workload in opts.workloads:
-        for conns in opts.conns:
-            for depth in opts.depths:
-                pinned = opts.pin == "all" or (opts.pin == "one" and conns == 1)
-                row = {"workload": workload, "conns": conns, "depth": depth, "pinned": pinned, "runs": {}, "servers": {}}
-                for rep in range(opts.reps):
-                    order = opts.servers if rep % 2 == 0 else list(reversed(opts.servers))
-                    for kind in order:
-                        try:
-                            data = one_run(kind, workload, conns, depth, pinned, opts)
-                        except Exception as exc:  # a crashed/hung server is a result, not a bench failure
-                            data = {"failed": True, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                        row["runs"].setdefault(kind, []).append(data)
-                        if data.get("failed"):
-                            msg = data["error"]
-                        else:
-                            msg = (f"{data['ops_per_s']:>9.0f} ops/s p50 {data['lat_us']['p50']:>8.0f}us "
-                                   f"p99 {data['lat_us']['p99']:>8.0f}us srv {data.get('server_cpu_us_per_op', 0):5.1f}us/op "
-                                   f"gen {data['client_cpu_pct']:4.0f}% load {data['loadavg_1m'][1]:.2f}"
-                                   + (f" ERR {data['errors']}+{data['conn_errors']} {data['first_error']}"
-                                      if data['errors'] or data['conn_errors'] else ""))
-                        print(f"  {workload:5} c={conns:<3} d={depth:<2} rep {rep + 1} {kind:10} {msg}", file=sys.stderr)
-                for kind in opts.servers:
-                    row["servers"][kind] = summarize(row["runs"].get(kind, []))
-                add_ratios(row)
-                rows.append(row)
+    for workload, conns, depth, pinned in row_grid(opts):
+        row = {"workload": workload, "conns": conns, "depth": depth, "pinned": pinned, "runs": {}, "servers": {}}
+        for rep in range(opts.reps):
+            order = opts.servers if rep % 2 == 0 else list(reversed(opts.servers))
+            for kind in order:
+                try:
+                    data = one_run(kind, workload, conns, depth, pinned, opts)
+                except Exception as exc:  # a crashed/hung server is a result, not a bench failure
+                    data = {"failed": True, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                row["runs"].setdefault(kind, []).append(data)
+                if data.get("failed"):
+                    msg = data["error"]
+                else:
+                    msg = (f"{data['ops_per_s']:>9.0f} ops/s p50 {data['lat_us']['p50']:>8.0f}us "
+                           f"p99 {data['lat_us']['p99']:>8.0f}us srv {data.get('server_cpu_us_per_op', 0):5.1f}us/op "
+                           f"gen {data['client_cpu_pct']:4.0f}% load {data['loadavg_1m'][1]:.2f}"
+                           + (f" ERR {data['errors']}+{data['conn_errors']} {data['first_error']}"
+                              if data['errors'] or data['conn_errors'] else ""))
+                print(f"  {workload:5} c={conns:<3} d={depth:<2} rep {rep + 1} {kind:10} {msg}", file=sys.stderr)
+        for kind in opts.servers:
+            row["servers"][kind] = summarize(row["runs"].get(kind, []))
+        add_ratios(row)
+        rows.append(row)
 
     meta["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     meta["loadavg_end"] = os.getloadavg()

@@ -173,10 +173,7 @@ class Binlog(SegmentLog, QueueListener):
         return self._write_error
 
     def job_put(self, job: Job) -> None:
-        name = job.tube.name
-        tb = self._tube_bytes.get(name)
-        if tb is None:
-            tb = self._tube_bytes[name] = name.encode("latin-1")
+        tb = job.tube.name_bytes
         body = job.body
         size = _FIXED + len(tb) + len(body)
         rem = self._alloc - self._pos

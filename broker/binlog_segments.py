@@ -63,7 +63,6 @@ class SegmentLog:
         self._live_bytes = 0
         self._disk_bytes = 0  # record bytes in all segments but the current one
         self._max_id = 0
-        self._tube_bytes: dict[str, bytes] = {}
         self._maint = False
         # durability
         self._dirty = False  # written since the last fdatasync
@@ -199,16 +198,9 @@ class SegmentLog:
             return rem - size + self._spare_room
         return self._spare_room - size
 
-    def _tube_name(self, job: Job) -> bytes:
-        name = job.tube.name
-        tb = self._tube_bytes.get(name)
-        if tb is None:
-            tb = self._tube_bytes[name] = name.encode("latin-1")
-        return tb
-
     def _write_full(self, job: Job, force: bool = False) -> bool:
         """Append the job's complete current state (compaction / rewrite); the job moves to the current segment."""
-        tb = self._tube_name(job)
+        tb = job.tube.name_bytes
         size = FIXED + len(tb) + len(job.body)
         if not self._fit(size, 0 if force else self._nlive * DEL + SLACK):
             return False

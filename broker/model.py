@@ -205,6 +205,7 @@ class Tube:
         "delayed_count",
         "jobs",
         "name",
+        "name_bytes",
         "pause",
         "pause_count",
         "ready",
@@ -222,6 +223,7 @@ class Tube:
 
     def __init__(self, name: str, jobs: dict[int, Job]) -> None:
         self.name = name
+        self.name_bytes = name.encode("latin-1")  # as the binlog and the replication stream write it
         self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id
         self.ready: list[int] = []  # heap of heap_entry(pri, id); stale entries skipped
         self.ready_count = 0

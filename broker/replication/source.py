@@ -65,7 +65,6 @@ class ReplicationSource(QueueListener):
         self.queue: Queue | None = None
         self.on_ack: Callable[[], None] = _nothing
         self.catch_ups = {"backlog": 0, "snapshot": 0}  # how replicas joined, for stats
-        self._tubes: dict[str, bytes] = {}
 
     # -- leading ---------------------------------------------------------------------------
     def start(self, epoch: int) -> None:
@@ -93,7 +92,7 @@ class ReplicationSource(QueueListener):
             created = job.created + self._wall_offset()
             delay = job.delay
             self._emit(fmt.encode_job(job.id, DELAYED if delay else READY, job.pri, delay, job.ttr * NS, created,
-                                      created + delay if delay else 0, (0, 0, 0, 0, 0), self._tube(job), job.body))
+                                      created + delay if delay else 0, (0, 0, 0, 0, 0), job.tube.name_bytes, job.body))
 
     def job_updated(self, job: Job) -> None:
         if self.active and job.state != INVALID:
@@ -127,13 +126,6 @@ class ReplicationSource(QueueListener):
         while self.backlog_bytes > self.backlog_limit and len(self.backlog) > 1:
             self.backlog_bytes -= len(self.backlog.popleft()[1])
 
-    def _tube(self, job: Job) -> bytes:
-        name = job.tube.name
-        tb = self._tubes.get(name)
-        if tb is None:
-            tb = self._tubes[name] = name.encode("latin-1")
-        return tb
-
     def _wall_offset(self) -> int:
         assert self.queue is not None
         return time.time_ns() - self.queue.clock()
@@ -142,7 +134,7 @@ class ReplicationSource(QueueListener):
         off = self._wall_offset()
         deadline = job.deadline + off if job.state == DELAYED else 0
         return fmt.encode_job(job.id, job.state, job.pri, job.delay, job.ttr * NS, job.created + off, deadline,
-                              _counters(job), self._tube(job), job.body)
+                              _counters(job), job.tube.name_bytes, job.body)
 
     # -- replicas --------------------------------------------------------------------------
     def attach(self, session: ReplicaSession, epoch: int, seq: int) -> str:

@@ -29,7 +29,7 @@ NO_COMPILE_ENV = "SPARK_BEANSTALK_NO_COMPILE"
 GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # The modules setup.py compiles (the per-command path, and the binlog's per-record work:
 # its format, and recovery, which restores a million jobs at start); everything else stays interpreted.
-HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.model", "broker.queue",
+HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.jobtable", "broker.model", "broker.queue",
                                "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection",
                                "broker.stats", "broker.binlog_format", "broker.queue_restore", "broker.binlog_recovery")
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -14,6 +14,8 @@ from typing import Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
+from broker.jobtable import JobTable
+
 NS = 1_000_000_000
 URGENT_THRESHOLD = 1024
 SAFETY_MARGIN = NS  # DEADLINE_SOON: one second before a reserved job's TTR runs out
@@ -221,7 +223,7 @@ class Tube:
         "watching",
     )
 
-    def __init__(self, name: str, jobs: dict[int, Job]) -> None:
+    def __init__(self, name: str, jobs: JobTable[Job]) -> None:
         self.name = name
         self.name_bytes = name.encode("latin-1")  # as the binlog and the replication stream write it
         self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id

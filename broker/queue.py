@@ -20,6 +20,7 @@ from typing import cast
 from mypy_extensions import mypyc_attr
 
 from broker import protocol as p
+from broker.jobtable import JobTable
 from broker.limits import Limits, Refusals
 from broker.model import (
     BURIED,
@@ -113,7 +114,7 @@ class Queue:
         self.started = clock()
         self.tubes: SwapSet[Tube] = SwapSet()
         self.tube_by_name: dict[str, Tube] = {}
-        self.jobs: dict[int, Job] = {}
+        self.jobs: JobTable[Job] = JobTable()  # by id, in pages: ids are handed out in order
         # Memory per job (interpreted build): equal ints shared, not one object per job each
         self.recent_now = 0
         self.int_pool: dict[int, int] = {}
@@ -495,7 +496,7 @@ class Queue:
         tube = job.tube
         tube.total_deletes += 1
         job.state = INVALID
-        del self.jobs[job_id]
+        self.jobs.pop(job_id)
         self.held_bytes -= len(job.body)
         if self.listening:
             self.listener.job_deleted(job)

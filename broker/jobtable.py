@@ -60,16 +60,16 @@ class JobTable(Generic[T]):
 
     def get(self, job_id: int) -> T | None:
         index = (job_id >> PAGE_BITS) - self.base
-        pages = self.pages
-        if 0 <= index < len(pages):
-            page = pages[index]
+        if index >= 0:  # try, not a len() check: cheaper on the hot path, interpreted
+            try:
+                page = self.pages[index]
+            except IndexError:
+                page = None
             if page is not None:
                 job = page.slots[job_id & PAGE_MASK]
-                if job is not None:
+                if job is not None or not self.overflow:
                     return job
-        if self.overflow:
-            return self.overflow.get(job_id)
-        return None
+        return self.overflow.get(job_id) if self.overflow else None
 
     def __getitem__(self, job_id: int) -> T:
         job = self.get(job_id)
@@ -83,9 +83,11 @@ class JobTable(Generic[T]):
     def __setitem__(self, job_id: int, job: T) -> None:
         number = job_id >> PAGE_BITS
         index = number - self.base
-        pages = self.pages
-        if 0 <= index < len(pages):
-            page = pages[index]
+        if index >= 0:
+            try:
+                page = self.pages[index]
+            except IndexError:
+                page = None
             if page is not None:
                 slots = page.slots
                 offset = job_id & PAGE_MASK
@@ -124,9 +126,12 @@ class JobTable(Generic[T]):
 
     def pop(self, job_id: int, default: T | None = None) -> T | None:
         index = (job_id >> PAGE_BITS) - self.base
-        pages = self.pages
-        if 0 <= index < len(pages):
-            page = pages[index]
+        if index >= 0:
+            pages = self.pages
+            try:
+                page = pages[index]
+            except IndexError:
+                page = None
             if page is not None:
                 slots = page.slots
                 offset = job_id & PAGE_MASK
@@ -140,9 +145,7 @@ class JobTable(Generic[T]):
                         self._evict(index)
                         self._trim()
                     return job
-        if self.overflow:
-            return self.overflow.pop(job_id, default)
-        return default
+        return self.overflow.pop(job_id, default) if self.overflow else default
 
     def __delitem__(self, job_id: int) -> None:
         if self.pop(job_id) is None:

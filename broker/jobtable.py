@@ -43,7 +43,8 @@ class JobTable(Generic[T]):
 
     ``pages[i]`` is page number ``base + i`` or None (freed); the first and last entries
     are never None. ``high_page`` is the highest page number ever made: a page is only made
-    above it, so no id of a new page can be in ``overflow`` already.
+    above it, and an id goes to ``overflow`` only when its page is gone or was never made
+    (so its page is at or below ``high_page``): an id whose page exists is never there.
     """
 
     __slots__ = ("base", "high_page", "overflow", "paged", "pages")
@@ -65,10 +66,8 @@ class JobTable(Generic[T]):
                 page = self.pages[index]
             except IndexError:
                 page = None
-            if page is not None:
-                job = page.slots[job_id & PAGE_MASK]
-                if job is not None or not self.overflow:
-                    return job
+            if page is not None:  # a page's ids are never in overflow (see the class docstring)
+                return page.slots[job_id & PAGE_MASK]
         return self.overflow.get(job_id) if self.overflow else None
 
     def __getitem__(self, job_id: int) -> T:

@@ -73,10 +73,15 @@ def _extension(module: str) -> Path | None:
 
 
 def _group_library() -> Path | None:
+    """The mypyc group library the compiled modules load, if this process can import it.
+
+    It sits beside the package, which is not always on ``sys.path`` (an editable install
+    maps the packages only): then the extension modules exist but cannot load."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = PACKAGE_DIR.parent / f"{GROUP}__mypyc{suffix}"
         if path.exists():
-            return path
+            spec = importlib.util.find_spec(f"{GROUP}__mypyc")
+            return path if spec is not None and spec.origin and Path(spec.origin).resolve() == path else None
     return None
 
 

@@ -219,7 +219,7 @@ class RestoreTally:
     bytes: int = 0
 
 
-NO_COUNTERS: Final = (0, 0, 0, 0, 0)
+NO_COUNTERS = (0, 0, 0, 0, 0)
 
 
 def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iterator[RecoveredJob]:

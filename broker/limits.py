@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Final
 
 from broker.logs import event
 
 log = logging.getLogger("broker.limits")
 
-DEFAULT_MAX_OUTPUT_BYTES: Final = 16 << 20  # unsent replies per connection before it is closed
-OUTPUT_HIGH_WATER: Final = 1 << 20  # stop reading a connection whose replies are not being read
+DEFAULT_MAX_OUTPUT_BYTES = 16 << 20  # unsent replies per connection before it is closed
+OUTPUT_HIGH_WATER = 1 << 20  # stop reading a connection whose replies are not being read
 DEFAULT_SLOW_READER_TIMEOUT = 10.0  # seconds a connection may leave replies unread past the high water
 
 # Refusal reasons, in the order their stats keys are printed.

@@ -14,17 +14,12 @@ from typing import Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
-NS: Final = 1_000_000_000
-URGENT_THRESHOLD: Final = 1024
-SAFETY_MARGIN: Final = NS  # DEADLINE_SOON: one second before a reserved job's TTR runs out
+NS = 1_000_000_000
+URGENT_THRESHOLD = 1024
+SAFETY_MARGIN = NS  # DEADLINE_SOON: one second before a reserved job's TTR runs out
 
-# Constants are Final so that mypyc compiles them in, where a plain module global costs a dict look-up per use.
-READY: Final = 0
-DELAYED: Final = 1
-RESERVED: Final = 2
-BURIED: Final = 3
-INVALID: Final = 4
-STATE_NAMES: Final = ("ready", "delayed", "reserved", "buried", "invalid")
+READY, DELAYED, RESERVED, BURIED, INVALID = range(5)
+STATE_NAMES = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
 T = TypeVar("T")
@@ -41,7 +36,7 @@ def heap_entry(key: int, job_id: int) -> int:
     return (key << ID_BITS) | job_id
 
 
-INT_POOL_MAX: Final = 1024  # distinct values shared by shared_int; past that, new values stay per job
+INT_POOL_MAX = 1024  # distinct values shared by shared_int; past that, new values stay per job
 
 
 def shared_int(pool: dict[int, int], value: int) -> int:

@@ -22,20 +22,19 @@ whose first field is the command name (interned str); see :meth:`Decoder.next_co
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final, NamedTuple
+from typing import NamedTuple
 
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
 
-LINE_LIMIT: Final = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
-DEFAULT_MAX_JOB_SIZE: Final = 65535
-U32_MAX: Final = 2**32 - 1
-U64_MAX: Final = 2**64 - 1
-ULONG_MAX: Final = 2**64 - 1
-LONG_MIN: Final = -(2**63)
-LONG_MAX: Final = 2**63 - 1
+LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
+DEFAULT_MAX_JOB_SIZE = 65535
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+ULONG_MAX = 2**64 - 1
+LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
 
-C_SPACE: Final = b" \t\n\v\f\r"
+C_SPACE = b" \t\n\v\f\r"
 
 
 # -- command records -----------------------------------------------------------------------
@@ -124,29 +123,29 @@ Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
 # Parsed lines that repeat endlessly ("put 0 0 60 312", "reserve", "use jobs"), shared by the
 # decoders of one server (see ServerState); bounded: cleared when full.
 LineCache = dict[bytes, LineCommand]
-LINE_CACHE_SIZE: Final = 4096
-TOO_BIG: Final = Bare("too-big")
+LINE_CACHE_SIZE = 4096
+TOO_BIG = Bare("too-big")
 # Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
 # NamedTuple constructor is a Python-level function, several times slower than this.
-_new: Final = tuple.__new__
+_new = tuple.__new__
 
 # Replies (constants; formatted ones are built where used).
-BAD_FORMAT: Final = b"BAD_FORMAT\r\n"
-UNKNOWN_COMMAND: Final = b"UNKNOWN_COMMAND\r\n"
-EXPECTED_CRLF: Final = b"EXPECTED_CRLF\r\n"
-JOB_TOO_BIG: Final = b"JOB_TOO_BIG\r\n"
-OUT_OF_MEMORY: Final = b"OUT_OF_MEMORY\r\n"
-DRAINING: Final = b"DRAINING\r\n"
-NOT_FOUND: Final = b"NOT_FOUND\r\n"
-DELETED: Final = b"DELETED\r\n"
-RELEASED: Final = b"RELEASED\r\n"
-BURIED: Final = b"BURIED\r\n"
-KICKED: Final = b"KICKED\r\n"
-TOUCHED: Final = b"TOUCHED\r\n"
-PAUSED: Final = b"PAUSED\r\n"
-NOT_IGNORED: Final = b"NOT_IGNORED\r\n"
-TIMED_OUT: Final = b"TIMED_OUT\r\n"
-DEADLINE_SOON: Final = b"DEADLINE_SOON\r\n"
+BAD_FORMAT = b"BAD_FORMAT\r\n"
+UNKNOWN_COMMAND = b"UNKNOWN_COMMAND\r\n"
+EXPECTED_CRLF = b"EXPECTED_CRLF\r\n"
+JOB_TOO_BIG = b"JOB_TOO_BIG\r\n"
+OUT_OF_MEMORY = b"OUT_OF_MEMORY\r\n"
+DRAINING = b"DRAINING\r\n"
+NOT_FOUND = b"NOT_FOUND\r\n"
+DELETED = b"DELETED\r\n"
+RELEASED = b"RELEASED\r\n"
+BURIED = b"BURIED\r\n"
+KICKED = b"KICKED\r\n"
+TOUCHED = b"TOUCHED\r\n"
+PAUSED = b"PAUSED\r\n"
+NOT_IGNORED = b"NOT_IGNORED\r\n"
+TIMED_OUT = b"TIMED_OUT\r\n"
+DEADLINE_SOON = b"DEADLINE_SOON\r\n"
 
 
 def yaml_list(names: Iterable[str]) -> bytes:
@@ -160,7 +159,7 @@ def yaml_ok(text: str) -> bytes:
     return b"OK %d\r\n%s\r\n" % (len(data), data)
 
 # Command words in the order beanstalkd's which_cmd() tests them (prefix match).
-_PREFIXES: Final[tuple[tuple[bytes, str], ...]] = (
+_PREFIXES: tuple[tuple[bytes, str], ...] = (
     (b"put ", "put"),
     (b"peek ", "peek"),
     (b"peek-ready", "peek-ready"),
@@ -188,12 +187,12 @@ _PREFIXES: Final[tuple[tuple[bytes, str], ...]] = (
     (b"pause-tube", "pause-tube"),
 )
 # Fast path: the first word of a well-formed line -> command name.
-_EXACT_WORDS: Final = {prefix.strip(): name for prefix, name in _PREFIXES}
+_EXACT_WORDS = {prefix.strip(): name for prefix, name in _PREFIXES}
 # Commands whose line must be exactly the word (no arguments).
-_BARE: Final = frozenset({"peek-ready", "peek-delayed", "peek-buried", "reserve", "stats",
+_BARE = frozenset({"peek-ready", "peek-delayed", "peek-buried", "reserve", "stats",
                    "list-tubes-watched", "list-tube-used", "list-tubes"})
-_ID_ONLY: Final = frozenset({"peek", "reserve-job", "delete", "kick-job", "touch", "stats-job"})
-_NAME_ONLY: Final = frozenset({"stats-tube", "use", "watch", "ignore"})
+_ID_ONLY = frozenset({"peek", "reserve-job", "delete", "kick-job", "touch", "stats-job"})
+_NAME_ONLY = frozenset({"stats-tube", "use", "watch", "ignore"})
 
 
 class ParseError(Exception):
@@ -325,7 +324,7 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> LineCommand
     return None
 
 
-_UNCACHED: Final = _ID_ONLY | {"release"}
+_UNCACHED = _ID_ONLY | {"release"}
 
 
 def parse_line(line: bytes, max_job_size: int, cache: LineCache | None = None) -> LineCommand:
@@ -421,10 +420,7 @@ def _parse_pause(line: bytes) -> PauseTube:
 
 
 # Decoder modes
-_LINE: Final = 0
-_ENDLINE: Final = 1
-_BODY: Final = 2
-_SKIP: Final = 3
+_LINE, _ENDLINE, _BODY, _SKIP = range(4)
 
 
 class Decoder:

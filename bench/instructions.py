@@ -87,8 +87,8 @@ def top_functions(out_file: Path, n: int) -> list[str]:
     """callgrind_annotate's n most expensive functions (self instructions), as text lines."""
     if shutil.which("callgrind_annotate") is None:
         return []
-    res = subprocess.run(["callgrind_annotate", "--threshold=99", str(out_file)], capture_output=True, text=True, check=False,
-                         timeout=120)
+    res = subprocess.run(["callgrind_annotate", "--threshold=99", str(out_file)], capture_output=True, text=True,
+                         check=False, timeout=120)
     rows = [line for line in res.stdout.splitlines() if re.match(r"^\s*[\d,]+ \(", line)]
     return rows[1:n + 1]  # the first row is the program total
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Final, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -50,7 +50,7 @@ from broker.timers import (
 __all__ = ["BURIED", "DELAYED", "INVALID", "NS", "READY", "RESERVED", "STATE_NAMES", "URGENT_THRESHOLD",
            "Client", "Job", "Queue", "QueueListener", "StorageFull", "Tube"]
 
-CREATED_GRAIN = 1_000_000  # ns: `created` may be this much early (ages are reported in whole seconds)
+CREATED_GRAIN: Final = 1_000_000  # ns: `created` may be this much early (ages are reported in whole seconds)
 
 
 class StorageFull(Exception):

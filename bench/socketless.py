@@ -166,7 +166,7 @@ def main() -> int:
         return instructions(opts)
     import servers
 
-    floor = str(servers.floor_script(opts.floor))
+    floor = str(servers.floor_script(opts.floor)) if opts.server == "floor" else ""
 
     async def measure() -> float:
         conn = make_ours() if opts.server == "ours" else make_floor(floor)
@@ -201,15 +201,15 @@ def _callgrind_total(argv: list[str], env: dict) -> int:
 def instructions(opts) -> int:
     import servers
 
-    floor = str(servers.floor_script(opts.floor))
     kinds = opts.servers.split(",")
+    floor = str(servers.floor_script(opts.floor)) if "floor" in kinds else ""
     workloads = ("put", "cycle", "drain") if opts.depth > 1 else ("put", "cycle")
     rows = []
     for label in kinds:
         server, pure = ("floor", False) if label == "floor" else ("ours", label == "ours-pure")
         env = servers._env(pure)
         for workload in workloads:
-            base = [sys.executable, __file__, "--floor", floor, "--depth", str(opts.depth),
+            base = [sys.executable, __file__, *(["--floor", floor] if floor else []), "--depth", str(opts.depth),
                     "--build", str(opts.ops + 3), server, workload]
             small = _callgrind_total([*base, "3" if opts.depth == 1 else str(3 * opts.depth)], env)
             big = _callgrind_total([*base, str(opts.ops + 3)], env)

@@ -42,6 +42,11 @@ def heap_entry(key: int, job_id: int) -> int:
     return (key << ID_BITS) | job_id
 
 
+# heapq's two hot functions, Final: compiled, a C static each (``heapq.heappush`` is a module
+# attribute look-up on every call). Used by the queue and the timer heap too.
+heappush: Final = heapq.heappush
+heappop: Final = heapq.heappop
+
 INT_POOL_MAX: Final = 1024  # distinct values shared by shared_int; past that, new values stay per job
 
 
@@ -265,7 +270,7 @@ class Tube:
             job = jobs.get(entry & ID_MASK)  # ready_live, inlined: this is the reserve path
             if job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS:
                 return job
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def delayed_top(self) -> Job | None:
@@ -274,7 +279,7 @@ class Tube:
             entry = heap[0]
             if self.delayed_live(entry):
                 return self.jobs[entry & ID_MASK]
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def prune_ready(self) -> None:
@@ -337,7 +342,7 @@ class Client:
             deadline, _, job = heap[0]
             if job.reserver is self and job.state == RESERVED and job.deadline == deadline:
                 return deadline
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
 

@@ -22,7 +22,7 @@ whose first field is the command name (interned str); see :meth:`Decoder.next_co
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
@@ -568,9 +568,10 @@ class Decoder:
                 return Error("error", err.reply, err.counted)
             except TooBig as big:
                 return self._skip(big.skip)
-        if type(cmd) is not PutLine:
+        if cmd[0] != "put":  # only a PutLine is named "put" here (a str compare: no global look-up)
             return cmd
-        _, pri, delay, ttr, size = cmd
+        put_line = cast(PutLine, cmd)
+        _, pri, delay, ttr, size = put_line
         if size > self.max_job_size:  # a line cached under a larger limit
             return self._skip(size + 2)
         end = cr + size + 4
@@ -579,7 +580,7 @@ class Decoder:
             if buf[end - 2] != 13 or buf[end - 1] != 10:
                 return _new(Put, ("put", pri, delay, ttr, None, False))
             return _new(Put, ("put", pri, delay, ttr, buf[cr + 2:end - 2], False))
-        self.pending = cmd
+        self.pending = put_line
         self.need = size + 2
         self.header_sent = False
         self.mode = _BODY

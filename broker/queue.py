@@ -36,6 +36,8 @@ from broker.model import (
     Job,
     SwapSet,
     Tube,
+    heappop,
+    heappush,
     job_reply,
     shared_int,
 )
@@ -187,13 +189,13 @@ class Queue:
         tube = job.tube
         if delay:
             job.deadline = now + delay
-            heapq.heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
+            heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = DELAYED
             tube.delayed_count += 1
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            heapq.heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
+            heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -237,7 +239,7 @@ class Queue:
         job.reserves += 1
         job.deadline = deadline = now + job.ttr * NS
         client.reserved[job.id] = job
-        heapq.heappush(client.deadlines, (deadline, job.id, job))
+        heappush(client.deadlines, (deadline, job.id, job))
         job.tube.reserved_count += 1
         self.reserved_ct += 1
         client.pending_timeout = -1
@@ -469,7 +471,7 @@ class Queue:
         job = best
         tube = job.tube
         tube.waiting.last_use = 1
-        heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
+        heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
         self._remove_ready(job)
         self._reserve(client, job, now)
         return job_reply(b"RESERVED", job)

@@ -316,8 +316,9 @@ class BrokerConnection(asyncio.Protocol):
         """Run one decoded command: its reply, or None when there is none yet (a reserve now
         waiting, a put header) or the connection is closing (quit).
 
-        The one place where commands are counted (stats cmd-*, metrics): puts and the
-        id commands in their own branch (the hot ones), the rest through _COUNTED_AS.
+        The one place where commands are counted (stats cmd-*, metrics): put, reserve, delete and
+        reserve-with-timeout in the queue's native counters (Queue.counted_ops), the id commands in
+        their own branch, the rest through _COUNTED_AS.
         """
         queue = self.queue
         name = cmd[0]
@@ -331,16 +332,16 @@ class BrokerConnection(asyncio.Protocol):
         if name == "put":  # a Put: the decoder names a put line still waiting for its body "put-header"
             _, pri, delay, ttr, body, header_seen = cast(p.Put, cmd)
             if not header_seen:  # else its put-header was counted
-                queue.op_counts["put"] += 1
+                queue.cmd_put += 1
             return queue.put(self.client, pri, delay, ttr, body, header_seen)
         if name == "reserve":
-            queue.op_counts["reserve"] += 1
+            queue.cmd_reserve += 1
             return queue.reserve(self.client, -1)
         if name == "delete":
-            queue.op_counts["delete"] += 1
+            queue.cmd_delete += 1
             return queue.delete(self.client, cast(p.IdArg, cmd)[1])
         if name == "reserve-with-timeout":
-            queue.op_counts["reserve-with-timeout"] += 1
+            queue.cmd_reserve_timeout += 1
             return queue.reserve(self.client, cast(p.IntArg, cmd)[1])
         if type(cmd) is p.IdArg:  # touch, peek, stats-job...: unpacked, as cheap as a plain tuple
             job_id = cmd[1]

@@ -106,6 +106,10 @@ class Queue:
                  limits: Limits | None = None) -> None:
         self.clock = clock
         self.limits = limits or Limits()
+        # What put and reserve test on every command, as native fields (Limits is frozen): compiled,
+        # an attribute of the interpreted Limits dataclass is a generic look-up by name.
+        self.puts_capped = self.limits.max_jobs > 0 or self.limits.max_job_bytes > 0
+        self.reserve_cap = self.limits.max_reserved_per_connection
         self.refusals = Refusals()
         self.held_bytes = 0  # total size of the bodies held
         self.max_job_size = max_job_size
@@ -126,6 +130,12 @@ class Queue:
         self.host = HostFacts.of_this_host()  # stats: id, hostname, os, platform
         # counters
         self.op_counts: dict[str, int] = dict.fromkeys(OP_STAT_ORDER + ("reserve-job", "kick-job", "quit"), 0)
+        # cmd-put/-reserve/-delete/-reserve-with-timeout as counted by the connection's hot path: native
+        # ints (a dict entry costs a look-up, a boxed add and a store per command); see counted_ops()
+        self.cmd_put = 0
+        self.cmd_reserve = 0
+        self.cmd_delete = 0
+        self.cmd_reserve_timeout = 0
         self.ready_ct = 0
         self.urgent_ct = 0
         self.reserved_ct = 0
@@ -142,6 +152,15 @@ class Queue:
         self.extra_stats: Callable[[], Mapping[str, object]] | None = None
         self.default_tube = self._tube("default")
         self.default_tube.refs += 1  # the server's own reference: default never goes away
+
+    def counted_ops(self) -> dict[str, int]:
+        """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
+        counts = dict(self.op_counts)
+        counts["put"] += self.cmd_put
+        counts["reserve"] += self.cmd_reserve
+        counts["delete"] += self.cmd_delete
+        counts["reserve-with-timeout"] += self.cmd_reserve_timeout
+        return counts
 
     # -- tubes -------------------------------------------------------------------
     def _tube_for_client(self, client: Client, name: str) -> Tube | None:
@@ -372,12 +391,7 @@ class Queue:
             return p.EXPECTED_CRLF
         if self.draining:
             return p.DRAINING
-        limits = self.limits
-        if limits.max_jobs and len(self.jobs) >= limits.max_jobs:
-            self.refusals.refuse("jobs", client.peer, f"{len(self.jobs)} jobs held")
-            return p.OUT_OF_MEMORY
-        if limits.max_job_bytes and self.held_bytes + len(body) > limits.max_job_bytes:
-            self.refusals.refuse("job_bytes", client.peer, f"{self.held_bytes} body bytes held")
+        if self.puts_capped and self._put_refused(client, len(body)):
             return p.OUT_OF_MEMORY
         now = self.clock()
         tube = client.use
@@ -406,6 +420,16 @@ class Queue:
         self._enqueue(job, delay_ns, now)
         return b"INSERTED %d\r\n" % job_id
 
+    def _put_refused(self, client: Client, size: int) -> bool:
+        limits = self.limits
+        if limits.max_jobs and len(self.jobs) >= limits.max_jobs:
+            self.refusals.refuse("jobs", client.peer, f"{len(self.jobs)} jobs held")
+            return True
+        if limits.max_job_bytes and self.held_bytes + size > limits.max_job_bytes:
+            self.refusals.refuse("job_bytes", client.peer, f"{self.held_bytes} body bytes held")
+            return True
+        return False
+
     def reserve(self, client: Client, timeout: int = -1) -> bytes | None:
         """Reserve for this client; None means it now waits (the reply comes via deliver)."""
         if not client.worker:
@@ -431,7 +455,7 @@ class Queue:
         return None
 
     def _reserve_refused(self, client: Client) -> bool:
-        cap = self.limits.max_reserved_per_connection
+        cap = self.reserve_cap
         if cap and len(client.reserved) >= cap:
             self.refusals.refuse("reserves", client.peer, f"holds {len(client.reserved)} jobs")
             return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from broker import logs, queue_timers, queue_verbs, security, stats
 from broker import protocol as p
@@ -330,7 +330,8 @@ class BrokerConnection(asyncio.Protocol):
         # The hot commands first, told apart by name (a compare with a literal; compiled, a type
         # test is a module attribute look-up) and called directly, not through a table.
         if name == "put":  # a Put: the decoder names a put line still waiting for its body "put-header"
-            _, pri, delay, ttr, body, header_seen = cast(p.Put, cmd)
+            put: p.Put = cmd  # type: ignore[assignment]  # not cast(): interpreted, that is a call
+            _, pri, delay, ttr, body, header_seen = put
             if not header_seen:  # else its put-header was counted
                 queue.cmd_put += 1
             return queue.put(self.client, pri, delay, ttr, body, header_seen)
@@ -339,10 +340,12 @@ class BrokerConnection(asyncio.Protocol):
             return queue.reserve(self.client, -1)
         if name == "delete":
             queue.cmd_delete += 1
-            return queue.delete(self.client, cast(p.IdArg, cmd)[1])
+            by_id: p.IdArg = cmd  # type: ignore[assignment]
+            return queue.delete(self.client, by_id[1])
         if name == "reserve-with-timeout":
             queue.cmd_reserve_timeout += 1
-            return queue.reserve(self.client, cast(p.IntArg, cmd)[1])
+            seconds: p.IntArg = cmd  # type: ignore[assignment]
+            return queue.reserve(self.client, seconds[1])
         if type(cmd) is p.IdArg:  # touch, peek, stats-job...: unpacked, as cheap as a plain tuple
             job_id = cmd[1]
             queue.op_counts[name] += 1

@@ -9,6 +9,7 @@ tube's waiting clients jobs in a rotating order.
 from __future__ import annotations
 
 import heapq
+import importlib.machinery
 from collections.abc import Callable
 from typing import Final, Generic, TypeVar
 
@@ -46,6 +47,10 @@ def heap_entry(key: int, job_id: int) -> int:
 # attribute look-up on every call). Used by the queue and the timer heap too.
 heappush: Final = heapq.heappush
 heappop: Final = heapq.heappop
+
+# Compiled (mypyc), a Job's int fields are machine words, not int objects: sharing equal ints
+# between jobs (shared_int) saves nothing there and costs a boxing and a dict look-up per put.
+COMPILED: Final = str(__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 INT_POOL_MAX: Final = 1024  # distinct values shared by shared_int; past that, new values stay per job
 

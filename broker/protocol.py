@@ -22,7 +22,7 @@ whose first field is the command name (interned str); see :meth:`Decoder.next_co
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple
 
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
@@ -570,7 +570,7 @@ class Decoder:
                 return self._skip(big.skip)
         if cmd[0] != "put":  # only a PutLine is named "put" here (a str compare: no global look-up)
             return cmd
-        put_line = cast(PutLine, cmd)
+        put_line: PutLine = cmd  # type: ignore[assignment]  # not cast(): interpreted, that is a call
         _, pri, delay, ttr, size = put_line
         if size > self.max_job_size:  # a line cached under a larger limit
             return self._skip(size + 2)

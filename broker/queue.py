@@ -23,6 +23,7 @@ from broker import protocol as p
 from broker.limits import Limits, Refusals
 from broker.model import (
     BURIED,
+    COMPILED,
     DELAYED,
     ID_BITS,
     INVALID,
@@ -400,11 +401,12 @@ class Queue:
             created = self.recent_now
             if now - created >= CREATED_GRAIN or now < created:
                 created = self.recent_now = now
-        pool = self.int_pool  # a priority or TTR above 256 would be a new int object per job
-        if pri > 256:
-            pri = pool.get(pri) or shared_int(pool, pri)
-        if ttr > 256:
-            ttr = pool.get(ttr) or shared_int(pool, ttr)
+        if not COMPILED:  # interpreted, a priority or TTR above 256 would be a new int object per job
+            pool = self.int_pool
+            if pri > 256:
+                pri = pool.get(pri) or shared_int(pool, pri)
+            if ttr > 256:
+                ttr = pool.get(ttr) or shared_int(pool, ttr)
         delay_ns = delay * NS
         job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:

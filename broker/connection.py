@@ -285,9 +285,9 @@ class BrokerConnection(asyncio.Protocol):
         try:
             while True:
                 handled += 1
-                # Write out every 64 commands or 64 KiB of replies: output stays bounded (a
+                # Write out every 256 commands or 64 KiB of replies: output stays bounded (a
                 # client pipelining `peek` of big jobs), back-pressure is noticed promptly.
-                if not handled & 63 or pending > flush_bytes:
+                if not handled & 255 or pending > flush_bytes:  # 256: a client's 64-deep packet gets one write
                     pending = 0
                     self._flush()
                     if flow.write_paused or self.closing:

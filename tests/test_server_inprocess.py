@@ -158,13 +158,13 @@ def test_pause_writing_stops_processing_and_resume_writing_catches_up() -> None:
         conn, t = connect(make_server())
         conn.pause_writing()
         assert not t.reading
-        conn.data_received(b"list-tube-used\r\n" * 200)
+        conn.data_received(b"list-tube-used\r\n" * 600)
         before = t.take().count(b"USING default\r\n")
-        assert 0 < before < 200  # stopped at the first periodic flush while the client is not reading
+        assert 0 < before < 600  # stopped at the first periodic flush while the client is not reading
         conn.resume_writing()
         assert t.reading
         await settle()
-        assert before + t.take().count(b"USING default\r\n") == 200
+        assert before + t.take().count(b"USING default\r\n") == 600
     run(body)
 
 

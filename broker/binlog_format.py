@@ -93,16 +93,24 @@ DELETE_RECORD_SIZE: Final = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
 UPDATE_RECORD_SIZE: Final = FRAME_SIZE + UPDATE_SIZE
 JOB_RECORD_FIXED: Final = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus its tube name and body
 ID = struct.Struct("<Q")
-_STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size)
-if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE):
+# Recovery reads a record's frame, kind and id in one call (every kind starts with kind and
+# id; the shortest record, a K_DELETE, is exactly this long), and a K_JOB record's frame
+# and fixed part in one call.
+HEAD = struct.Struct("<IIBQ")
+JOB_FRAMED = struct.Struct("<II" + JOB.format[1:])
+_STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size,
+                 HEAD.size, JOB_FRAMED.size)
+if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE, DELETE_RECORD_SIZE,
+                     JOB_RECORD_FIXED):
     raise ImportError("binlog_format: a size constant does not match its struct")
 
-crc32 = zlib.crc32
+crc32: Final = zlib.crc32  # Final: mypyc keeps it in a C variable, not a dict lookup per call
 Buffer = bytes | bytearray | memoryview
 _frame_pack = FRAME.pack
 _job_pack = JOB.pack
 _update_pack = UPDATE.pack
 _delete_pack = DELETE.pack
+_unpack_head: Final = HEAD.unpack_from
 
 
 class JobRecord(NamedTuple):
@@ -266,30 +274,47 @@ def record_length(data: Buffer, pos: int) -> int:
     return length
 
 
-def check_record(data: Buffer, pos: int, end: int) -> int:
+def check_record(data: bytes, pos: int, end: int) -> int:
     """Validate the record at ``pos``; return the offset after it. Raises FormatError.
 
     Returns ``pos`` unchanged at the end of the data (a zero length field followed by zeros
-    only, or fewer than 8 bytes left that are all zero). Recovery calls this for every
-    record; pass a memoryview so that the checksum reads the payload without copying it.
+    only, or fewer than 8 bytes left that are all zero).
+    """
+    return read_head(data, pos, end)[0]
+
+
+def read_head(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
+    """:func:`check_record`, plus what recovery needs next: ``(offset after it, kind, job id)``.
+
+    Recovery calls this for every record: one struct call reads the frame, the kind and
+    the id; the checksum reads a copy of the payload (cheaper than a memoryview slice for
+    records of a few hundred bytes).
     """
     if pos + FRAME_SIZE > end:
         if not only_zeros(data, pos, end):
             raise FormatError(pos, "truncated record frame")
-        return pos
+        return pos, 0, 0
     length: int
     crc: int
-    length, crc = FRAME.unpack_from(data, pos)
+    kind: int
+    job_id = 0
+    if pos + DELETE_RECORD_SIZE <= end:
+        length, crc, kind, job_id = _unpack_head(data, pos)
+    else:  # too short for any valid record: read the frame alone, for the right error
+        length, crc = FRAME.unpack_from(data, pos)
+        kind = -1
     if length == 0:
         if crc or not only_zeros(data, pos, end):
             raise FormatError(pos, "zero bytes (unwritten space) followed by data")
-        return pos
+        return pos, 0, 0
     start = pos + FRAME_SIZE
-    if start + length > end:
+    stop = start + length
+    if stop > end:
         raise FormatError(pos, f"record length {length} runs past the end of the file")
-    if crc32(data[start:start + length]) != crc:
+    if crc32(data[start:stop]) != crc:
         raise FormatError(pos, "record checksum mismatch")
-    kind = data[start]
+    if kind < 0:
+        kind = data[start]
     if kind == K_JOB:
         if length < JOB_SIZE or length < JOB_SIZE + data[start + JOB_SIZE - 1]:
             raise FormatError(pos, "job record too short")
@@ -301,10 +326,10 @@ def check_record(data: Buffer, pos: int, end: int) -> int:
             raise FormatError(pos, "delete record has the wrong length")
     else:
         raise FormatError(pos, f"unknown record kind {kind}")
-    return start + length
+    return stop, kind, job_id
 
 
-def find_next_valid(data: Buffer, pos: int, end: int) -> int | None:
+def find_next_valid(data: bytes, pos: int, end: int) -> int | None:
     """The offset of the first valid record after ``pos`` (slow: used only on damage)."""
     unpack = FRAME.unpack_from
     p = pos + 1

@@ -16,14 +16,13 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
 from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY
-from broker.queue_restore import RecoveredJob
+from broker.queue_restore import RecoveredJob, Restorer
 
 LOC_BITS: Final = 40
 LOC_MASK: Final = (1 << LOC_BITS) - 1
@@ -42,7 +41,7 @@ class ScanResult:
     jobs: dict[int, int] = field(default_factory=dict)  # id -> location of its latest K_JOB record
     updates: dict[int, tuple[int, fmt.UpdateRecord]] = field(default_factory=dict)  # newer K_UPDATE
     datas: list[bytes | None] = field(default_factory=list)  # segment contents, by position
-    full_ids: list[array[int] | None] = field(default_factory=list)  # by position: ids of its K_JOB records
+    full_ids: list[list[int] | None] = field(default_factory=list)  # by position: ids of its K_JOB records
     indexes: list[int] = field(default_factory=list)  # segment index, by position
     max_id: int = 0
     records: int = 0
@@ -108,7 +107,7 @@ class Scanner:
         base = len(rec.datas) << LOC_BITS
         rec.datas.append(data)
         rec.indexes.append(idx)
-        seg_ids: array[int] = array("Q")
+        seg_ids: list[int] = []
         rec.full_ids.append(seg_ids)
         valid_end = self._read_records(data, path, idx, newest, base, seg_ids, f"segment {n + 1}/{total}")
         rec.segments.append(idx)
@@ -119,61 +118,64 @@ class Scanner:
         elif end > valid_end and idx not in rec.damaged:
             truncate_file(path, valid_end)  # only zeros there: allocated space never written
 
-    def _read_records(self, data: bytes, path: str, idx: int, newest: bool, base: int, seg_ids: array[int],
+    def _read_records(self, data: bytes, path: str, idx: int, newest: bool, base: int, seg_ids: list[int],
                       where: str) -> int:
         """Apply every valid record of one segment; returns the end of its valid data."""
         end = len(data)
         pos = valid_end = fmt.HEADER_SIZE
-        with memoryview(data) as mv:
-            while True:
-                try:
-                    stop = fmt.check_record(mv, pos, end)
-                except fmt.FormatError as exc:
-                    pos = self._bad(path, idx, data, pos, end, newest, exc.reason)
-                    if pos < 0:
-                        break
-                    continue
-                if stop == pos:
-                    break  # zeros: the end of the data
-                self.apply_record(data, pos, base, seg_ids)
-                pos = valid_end = stop
-                if not self.result.records & 0xFFFF:
-                    self._progress(where, idx)
+        while True:
+            try:
+                stop, kind, jid = fmt.read_head(data, pos, end)
+            except fmt.FormatError as exc:
+                pos = self._bad(path, idx, data, pos, end, newest, exc.reason)
+                if pos < 0:
+                    break
+                continue
+            if stop == pos:
+                break  # zeros: the end of the data
+            self.apply_record(data, pos, kind, jid, base, seg_ids)
+            pos = valid_end = stop
+            if not self.result.records & 0xFFFF:
+                self._progress(where, idx)
         return valid_end
 
-    def apply_record(self, data: bytes, pos: int, base: int, seg_ids: array[int]) -> None:
-        """One checked record: the last K_JOB/K_UPDATE of a job wins until a K_DELETE removes it."""
+    def apply_record(self, data: bytes, pos: int, kind: int, jid: int, base: int, seg_ids: list[int]) -> None:
+        """One checked record (its kind and job id read already): the last K_JOB/K_UPDATE of a
+        job wins until a K_DELETE removes it."""
         rec = self.result
         rec.records += 1
-        kind = data[pos + fmt.FRAME_SIZE]
-        if kind == fmt.K_UPDATE:
-            update = fmt.decode_update(data, pos)
-            jid = update.job_id
-            full = rec.jobs.get(jid)
-            if full is None:
-                return  # its K_JOB is in a deleted segment
-            if update.state != fmt.S_RESERVED:
-                rec.updates[jid] = (base | pos, update)
-                return
-            # A reserve: only the counters move; the job comes back in the state it was
-            # reserved from (that of the record before), at that record's place in the log.
-            prev = rec.updates.get(jid)
-            if prev is None:
-                rec.updates[jid] = (full, update)
-            else:
-                rec.updates[jid] = (prev[0], prev[1]._replace(reserves=update.reserves, timeouts=update.timeouts,
-                                                              releases=update.releases, buries=update.buries,
-                                                              kicks=update.kicks))
-            return
-        jid = fmt.record_id(data, pos)
         if kind == fmt.K_JOB:
             rec.jobs[jid] = base | pos
-            seg_ids.append(jid)
-        else:  # K_DELETE
-            rec.jobs.pop(jid, None)
-        if rec.updates:
-            rec.updates.pop(jid, None)
-        rec.max_id = max(rec.max_id, jid)
+            seg_ids.append(jid)  # the same int object as the key: a list costs 8 bytes an entry
+        elif kind == fmt.K_DELETE:
+            if jid in rec.jobs:
+                del rec.jobs[jid]
+        else:
+            self._apply_update(fmt.decode_update(data, pos), base | pos)
+            return
+        if rec.updates and jid in rec.updates:
+            del rec.updates[jid]
+        if jid > rec.max_id:
+            rec.max_id = jid
+
+    def _apply_update(self, update: fmt.UpdateRecord, loc: int) -> None:
+        rec = self.result
+        jid = update.job_id
+        full = rec.jobs.get(jid)
+        if full is None:
+            return  # its K_JOB is in a deleted segment
+        if update.state != fmt.S_RESERVED:
+            rec.updates[jid] = (loc, update)
+            return
+        # A reserve: only the counters move; the job comes back in the state it was
+        # reserved from (that of the record before), at that record's place in the log.
+        prev = rec.updates.get(jid)
+        if prev is None:
+            rec.updates[jid] = (full, update)
+        else:
+            rec.updates[jid] = (prev[0], prev[1]._replace(reserves=update.reserves, timeouts=update.timeouts,
+                                                          releases=update.releases, buries=update.buries,
+                                                          kicks=update.kicks))
 
     def _progress(self, where: str, idx: int) -> None:
         now = time.monotonic()
@@ -219,18 +221,24 @@ class RestoreTally:
     bytes: int = 0
 
 
-NO_COUNTERS = (0, 0, 0, 0, 0)
+NO_COUNTERS: Final = (0, 0, 0, 0, 0)
+# Final names: mypyc keeps them in C variables (a plain module name is a dict lookup per use)
+_unpack_job: Final = fmt.JOB_FRAMED.unpack_from
+_BURIED: Final = BURIED
+_DELAYED: Final = DELAYED
+_READY: Final = READY
+_CREATED_GRAIN: Final = CREATED_GRAIN
 
 
-def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iterator[RecoveredJob]:
-    """The latest state of every live job, in log order, buried jobs last (in burial order).
+def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restorer: Restorer) -> None:
+    """Hand ``restorer`` the latest state of every live job, in log order, buried jobs last
+    (in burial order).
 
     Goes segment by segment and lets go of each segment's contents once its jobs are out,
     so that the log is not held in memory next to the restored jobs. ``wall_off`` turns
     the log's wall-clock times into the queue's clock.
     """
-    decoder = _Decoder(wall_off)
-    buried: list[tuple[int, RecoveredJob]] = []
+    decoder = _Decoder(wall_off, restorer)
     jobs = rec.jobs
     updates = rec.updates
     table_for = len(jobs)  # a dict keeps its table when emptied: copy it once it is half empty
@@ -239,61 +247,71 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iter
         if data is None or seg_ids is None:
             continue
         home = rec.indexes[seg_no]
-        home_ids = tally.home_ids[home]
-        here = nbytes = 0
+        here: list[int] = []
+        nbytes = 0
         for jid in seg_ids:
-            loc = jobs.pop(jid, -1)
-            if loc < 0:
-                continue  # deleted, or restored already
-            if loc >> LOC_BITS != seg_no:
-                jobs[jid] = loc  # a later K_JOB record of it exists
-                continue
+            loc = jobs.get(jid, -1)
+            if loc < 0 or loc >> LOC_BITS != seg_no:
+                continue  # deleted, restored already, or a later K_JOB record of it exists
+            del jobs[jid]
             newer = updates.pop(jid, None) if updates else None
-            job = decoder.job(data, loc & LOC_MASK, home, newer)
-            home_ids.append(jid)
-            here += 1
-            nbytes += decoder.size
-            if job.state == BURIED:
-                buried.append((loc if newer is None else newer[0], job))
-            else:
-                yield job
-        tally.live[home] += here
-        tally.jobs += here
+            nbytes += decoder.job(data, loc, jid, home, newer)
+            here.append(jid)
+        tally.home_ids[home].fromlist(here)
+        tally.live[home] += len(here)
+        tally.jobs += len(here)
         tally.bytes += nbytes
         rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
         rec.full_ids[seg_no] = None
         if 2 * len(jobs) < table_for:
             rec.jobs = jobs = dict(jobs)
             table_for = len(jobs)
+    buried = decoder.buried
     tally.buried = len(buried)
     buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
     for _, job in buried:
-        yield job
+        restorer.add_record(job)
 
 
 class _Decoder:
-    """Decodes K_JOB records into :class:`RecoveredJob`; equal tube names and creation times
-    (to the millisecond, as a put keeps them) come out as one shared object."""
+    """Decodes K_JOB records for a :class:`Restorer`; equal tube names and creation times
+    (to the millisecond, as a put keeps them) come out as one shared object. Buried jobs
+    wait in ``buried`` (with their place in the log), to be restored last."""
 
-    def __init__(self, wall_off: int) -> None:
+    def __init__(self, wall_off: int, restorer: Restorer) -> None:
         self.wall_off = wall_off
+        self.restorer = restorer
         self.tube_names: dict[bytes, str] = {}
         self.recent_created = 0
-        self.size = 0  # bytes on disk of the record decoded last
+        self.buried: list[tuple[int, RecoveredJob]] = []
 
-    def job(self, data: bytes, pos: int, home: int, newer: tuple[int, fmt.UpdateRecord] | None) -> RecoveredJob:
-        """One job's K_JOB record at ``pos``, with its newest K_UPDATE (``newer``) applied."""
-        length = fmt.record_length(data, pos)
-        self.size = fmt.FRAME_SIZE + length
-        (_kind, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
-         tube_len) = fmt.JOB.unpack_from(data, pos + fmt.FRAME_SIZE)
+    def job(self, data: bytes, loc: int, job_id: int, home: int, newer: tuple[int, fmt.UpdateRecord] | None) -> int:
+        """One job's K_JOB record at location ``loc`` (in ``data``), with its newest K_UPDATE
+        (``newer``) applied; returns the record's size on disk."""
+        pos = loc & LOC_MASK
+        length: int
+        state: int
+        pri: int
+        delay: int
+        ttr: int
+        created: int
+        deadline: int
+        reserves: int
+        timeouts: int
+        releases: int
+        buries: int
+        kicks: int
+        tube_len: int
+        (length, _crc, _kind, _id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries,
+         kicks, tube_len) = _unpack_job(data, pos)
         tstart = pos + fmt.JOB_RECORD_FIXED
         bstart = tstart + tube_len
+        size = fmt.FRAME_SIZE + length
         tb = data[tstart:bstart]
         name = self.tube_names.get(tb)
         if name is None:
             name = self.tube_names[tb] = tb.decode("latin-1")
-        body = data[bstart:pos + self.size]
+        body = data[bstart:pos + size]
         if newer is not None:
             u = newer[1]
             reserves, timeouts, releases, buries, kicks = u.reserves, u.timeouts, u.releases, u.buries, u.kicks
@@ -302,15 +320,20 @@ class _Decoder:
             # else only reserves since the K_JOB record: its state stands
         counters = ((reserves, timeouts, releases, buries, kicks)
                     if reserves or timeouts or releases or buries or kicks else NO_COUNTERS)
-        if state == BURIED:
+        if state == _BURIED:
             deadline = 0
-        elif state == DELAYED:
+        elif state == _DELAYED:
             deadline -= self.wall_off
         else:
-            state = READY
+            state = _READY
         created -= self.wall_off
-        if 0 <= created - self.recent_created < CREATED_GRAIN:
+        if 0 <= created - self.recent_created < _CREATED_GRAIN:
             created = self.recent_created
         else:
             self.recent_created = created
-        return RecoveredJob(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+        if state == _BURIED:
+            job = RecoveredJob(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+            self.buried.append((loc if newer is None else newer[0], job))
+        else:
+            self.restorer.add(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+        return size

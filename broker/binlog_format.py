@@ -311,7 +311,8 @@ def read_head(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
     stop = start + length
     if stop > end:
         raise FormatError(pos, f"record length {length} runs past the end of the file")
-    if crc32(data[start:stop]) != crc:
+    computed: int = crc32(data[start:stop])  # typed: mypyc compares two ints, not two objects
+    if computed != crc:
         raise FormatError(pos, "record checksum mismatch")
     if kind < 0:
         kind = data[start]

@@ -228,7 +228,6 @@ class RestoreTally:
 
 NO_COUNTERS: Final = (0, 0, 0, 0, 0)
 # Final names: mypyc keeps them in C variables (a plain module name is a dict lookup per use)
-_unpack_job: Final = fmt.JOB_FRAMED.unpack_from
 _BURIED: Final = BURIED
 _DELAYED: Final = DELAYED
 _READY: Final = READY
@@ -326,8 +325,8 @@ class _Decoder:
         buries: int
         kicks: int
         tube_len: int
-        (length, _crc, _kind, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries,
-         kicks, tube_len) = _unpack_job(data, pos)
+        (length, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
+         tube_len) = fmt.job_fields(data, pos)
         size = fmt.FRAME_SIZE + length
         loc = self.base | pos
         if (self.dead or self.latest) and not self.current(job_id, loc):

@@ -123,3 +123,24 @@ def test_recovery_equals_a_replay_of_the_records(records):
         assert ([job.id for job in tube.buried.values()] if tube else []) == [jid for _, jid in buried]
     ids = [r[1] for r in records if r[0] in ("job", "delete")]
     assert queue.next_id > max(ids, default=0)
+
+
+U32 = st.integers(0, 2**32 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(job_id=st.integers(1, 2**64 - 1), state=st.integers(0, 3), pri=U32, delay=I64, ttr=I64, created=I64,
+       deadline=I64, counters=st.one_of(st.just((0, 0, 0, 0, 0)), st.tuples(U32, U32, U32, U32, U32)),
+       tube=st.binary(max_size=20), body=st.binary(max_size=40), offset=st.integers(0, 9))
+def test_both_decoders_read_every_field_alike(job_id, state, pri, delay, ttr, created, deadline, counters, tube, body,
+                                              offset):
+    """The compiled build reads records byte by byte, the interpreted one with struct calls:
+    both functions exist in both builds, and must agree on every field of every record."""
+    data = bytes(offset) + fmt.encode_job(job_id, state, pri, delay, ttr, created, deadline, counters, tube, body)
+    fields = fmt.job_fields_bytes(data, offset)
+    assert fields == tuple(fmt.job_fields_struct(data, offset)) == fmt.job_fields(data, offset)
+    assert fields == (fmt.JOB_SIZE + len(tube) + len(body), job_id, state, pri, delay, ttr, created, deadline,
+                      *counters, len(tube))
+    assert fmt.head_bytes(data, offset) == fmt.HEAD.unpack_from(data, offset)
+    assert fmt.read_head(data, offset, len(data)) == (len(data), fmt.K_JOB, job_id)

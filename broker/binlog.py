@@ -150,9 +150,6 @@ class Binlog(SegmentLog, QueueListener):
             restorer = Restorer(queue)
             restore_records(rec, self._wall_off, tally, restorer)
             restorer.finish()
-            # The restored jobs are long-lived and all still in the youngest generation: the
-            # first allocation after gc.enable() would start a collection that visits each one.
-            gc.freeze()
         finally:
             if gc_was_on:
                 gc.enable()

@@ -96,7 +96,6 @@ DELETE_SIZE: Final = 9  # DELETE.size
 DELETE_RECORD_SIZE: Final = FRAME_SIZE + DELETE_SIZE  # 17 bytes on disk
 UPDATE_RECORD_SIZE: Final = FRAME_SIZE + UPDATE_SIZE
 JOB_RECORD_FIXED: Final = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus its tube name and body
-ID = struct.Struct("<Q")
 # Recovery reads a record's frame, kind and id in one call (every kind starts with kind and
 # id; the shortest record, a K_DELETE, is exactly this long), and a K_JOB record's frame
 # and fixed part in one call.
@@ -269,18 +268,6 @@ def decode_job(data: Buffer, pos: int) -> JobRecord:
 def decode_update(data: Buffer, pos: int) -> UpdateRecord:
     """The K_UPDATE record whose frame starts at ``pos`` (already checked)."""
     return UpdateRecord._make(UPDATE.unpack_from(data, pos + FRAME_SIZE))
-
-
-def record_id(data: Buffer, pos: int) -> int:
-    """The job id of the (checked) record whose frame starts at ``pos``."""
-    job_id: int = ID.unpack_from(data, pos + FRAME_SIZE + 1)[0]
-    return job_id
-
-
-def record_length(data: Buffer, pos: int) -> int:
-    """Payload length of the frame at ``pos``."""
-    length: int = FRAME.unpack_from(data, pos)[0]
-    return length
 
 
 def check_record(data: bytes, pos: int, end: int) -> int:

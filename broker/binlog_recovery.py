@@ -47,7 +47,6 @@ class ScanResult:
     # only, the job keeps the state and place of its K_JOB record
     updates: dict[int, tuple[int, fmt.UpdateRecord]] = field(default_factory=dict)
     datas: list[bytes | None] = field(default_factory=list)  # segment contents, by position
-    ends: list[int] = field(default_factory=list)  # by position: end of the valid records
     skips: dict[int, dict[int, int]] = field(default_factory=dict)  # by position: damage skipped, offset -> next
     indexes: list[int] = field(default_factory=list)  # segment index, by position
     max_id: int = 0
@@ -115,7 +114,6 @@ class Scanner:
         rec.datas.append(data)
         rec.indexes.append(idx)
         valid_end = self._read_records(data, path, idx, newest, seg_no, f"segment {n + 1}/{total}")
-        rec.ends.append(valid_end)
         rec.segments.append(idx)
         rec.sizes[idx] = valid_end
         if rec.torn and rec.torn[-1][0] == path:
@@ -248,7 +246,7 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restore
             continue
         home = rec.indexes[seg_no]
         decoder.start_segment(seg_no, home)
-        end = rec.ends[seg_no]
+        end = rec.sizes[home]  # the end of its valid records
         skips = rec.skips.get(seg_no)
         pos = fmt.HEADER_SIZE
         while pos < end:

@@ -12,7 +12,6 @@ a generator step per job.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 from broker import queue_apply
@@ -125,11 +124,3 @@ class Restorer:
         queue.next_id = max(queue.next_id, self.max_id + 1)
         queue_apply.serve_waiting(queue)
         return self.count
-
-
-def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
-    """Put recovered jobs back in their state, in the order given; returns how many (see :class:`Restorer`)."""
-    restorer = Restorer(queue)
-    for job in records:
-        restorer.add_record(job)
-    return restorer.finish()

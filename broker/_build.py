@@ -118,11 +118,16 @@ def select() -> Selection:
     return choice
 
 
+def is_compiled_file(module_file: str) -> bool:
+    """Is a module with this ``__file__`` an extension module (the compiled build)? A hot
+    module asks this about itself where the two builds are best served by different code."""
+    return module_file.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
 def running() -> Selection:
     """What this process actually runs (after the hot modules were imported)."""
-    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     compiled = [m for m in HOT_MODULES if m in sys.modules
-                and str(getattr(sys.modules[m], "__file__", "")).endswith(suffixes)]
+                and is_compiled_file(str(getattr(sys.modules[m], "__file__", "")))]
     if compiled:
         names = ", ".join(m.rpartition(".")[2] for m in compiled)
         return Selection(True, f"compiled (mypyc): {names}", tuple(compiled))

@@ -34,6 +34,7 @@ Exit status 0 iff every check passed. Writes a JSON summary (bench/out/fuzz_long
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import errno
 import json
@@ -186,7 +187,8 @@ class Gen:
                 seg = b[pos:pos + rng.randint(1, 40)]
                 b[pos:pos] = seg
             elif kind == 5:  # CR/LF damage
-                b = bytearray(bytes(b).replace(b"\r\n", rng.choice([b"\n", b"\r", b"\r\r\n", b"\n\r", b"", b"\r\n\r\n"]), 1))
+                bad_end = rng.choice([b"\n", b"\r", b"\r\r\n", b"\n\r", b"", b"\r\n\r\n"])
+                b = bytearray(bytes(b).replace(b"\r\n", bad_end, 1))
             elif kind == 6:  # replace a number with an extreme one
                 words = bytes(b).split(b" ")
                 idx = [i for i, w in enumerate(words) if w[:1].isdigit()]
@@ -284,17 +286,13 @@ class Fuzzer:
         self.modes[mode] += 1
 
     def _finish(self, s: Session) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(s.sock)
-        except (KeyError, ValueError):
-            pass
         if s.sock.fileno() < 0:
             return
         if s.mode == "rst":
-            try:
+            with contextlib.suppress(OSError):
                 s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
         s.sock.close()
 
     def _parse(self, s: Session) -> None:
@@ -358,10 +356,8 @@ class Fuzzer:
                 if s.mode == "idle":
                     s.deadline = now + 5
                 elif s.mode == "halfclose":
-                    try:
+                    with contextlib.suppress(OSError):
                         s.sock.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
                     s.deadline = now + 3
                 else:
                     s.quiet_until = now + 0.15
@@ -558,7 +554,7 @@ def main(argv=None) -> int:
         srv = beanstalkd_process(stderr_path=stderr_path)
     srv.start(timeout=30)
     summary: dict = {"seed": seed, "server": opts.server, "profile": profile, "argv": srv.argv[1:],
-                     "started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                     "started_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                      "loadavg_start": os.getloadavg()}
     failures: list[str] = []
     fz = Fuzzer(srv.host, srv.port, rng, opts.concurrency, auth=token is not None)
@@ -661,12 +657,13 @@ def main(argv=None) -> int:
     if bad_lines:
         failures.append(f"{len(bad_lines)} error lines in the broker log, e.g. {bad_lines[:3]}")
     summary.update(
-        inputs=fz.inputs, sessions=fz.sessions, modes=dict(fz.modes), bytes_sent=fz.bytes_sent, connect_failures=fz.connect_failures,
+        inputs=fz.inputs, sessions=fz.sessions, modes=dict(fz.modes), bytes_sent=fz.bytes_sent,
+        connect_failures=fz.connect_failures,
         resets=fz.resets, replies=dict((k.decode(), v) for k, v in fz.replies.most_common()),
         replies_total=sum(fz.replies.values()), internal_errors=fz.internal_errors,
         violations=fz.violations[:20], log_error_lines=bad_lines[:20], crashed=not alive, exit_code=code,
         rounds=rounds, seconds=round(time.monotonic() - started, 1), failures=failures,
-        finished_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), loadavg_end=os.getloadavg(),
+        finished_utc=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), loadavg_end=os.getloadavg(),
         server_log_tail=log_text[-2000:])
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)

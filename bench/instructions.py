@@ -87,10 +87,15 @@ def top_functions(out_file: Path, n: int) -> list[str]:
     """callgrind_annotate's n most expensive functions (self instructions), as text lines."""
     if shutil.which("callgrind_annotate") is None:
         return []
-    res = subprocess.run(["callgrind_annotate", "--threshold=99", str(out_file)], capture_output=True, text=True, check=False,
-                         timeout=120)
+    res = subprocess.run(["callgrind_annotate", "--threshold=99", str(out_file)], capture_output=True, text=True,
+                         check=False, timeout=120)
     rows = [line for line in res.stdout.splitlines() if re.match(r"^\s*[\d,]+ \(", line)]
     return rows[1:n + 1]  # the first row is the program total
+
+
+def _given(flag: str) -> bool:
+    """Whether the command line names ``flag`` (the table's defaults differ from this mode's)."""
+    return any(arg == flag or arg.startswith(flag + "=") for arg in sys.argv[1:])
 
 
 def main(opts) -> int:
@@ -99,10 +104,12 @@ def main(opts) -> int:
         return 2
     kinds = [k for k in opts.servers if k in ("ours", "ours-pure", "floor", "beanstalkd")]
     workloads = [w for w in opts.workloads if w in ("put", "cycle", "drain")]
-    if workloads == ["put", "cycle", "drain"]:
-        workloads = ["put", "cycle"]  # the default: the floor's two rows
-    conns = opts.conns if opts.conns != [1, 50, 500] else [50]
-    depths = opts.depths if opts.depths != [1, 64] else [1]
+    # Without the flag, the floor's two rows (put, cycle 50x1); a flag given is taken as it is,
+    # even when it names the table's default (--depths 1,64).
+    if not _given("--workloads"):
+        workloads = ["put", "cycle"]
+    conns = opts.conns if _given("--conns") else [50]
+    depths = opts.depths if _given("--depths") else [1]
     meta = {"machine": servers.machine(),
             "builds": {k: servers.build_of_ours(k == "ours-pure") for k in kinds if k.startswith("ours")},
             "git": bb.git_info(), "ops": opts.instr_ops}

@@ -48,8 +48,8 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 import broker_bench as bb  # noqa: E402
-from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402
 
+from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402
 
 # `ours+limits`: our broker with every issue-7 limit on, set high enough not to refuse this
 # load, so the table shows what the checks cost.
@@ -411,8 +411,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(bb.OUT / "load_test.json"))
     opts = ap.parse_args(argv)
     if opts.quick:
-        opts.conns, opts.tubes, opts.jobs, opts.measure_seconds = (min(opts.conns, 1000), min(opts.tubes, 1000),
-                                                                    min(opts.jobs, 50_000), min(opts.measure_seconds, 2))
+        opts.conns, opts.tubes = min(opts.conns, 1000), min(opts.tubes, 1000)
+        opts.jobs, opts.measure_seconds = min(opts.jobs, 50_000), min(opts.measure_seconds, 2)
     opts.ours_args = opts.ours_args.split()
     soft = bb.raise_nofile(opts.conns + 512)
     if soft < opts.conns + 64:
@@ -423,17 +423,18 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    meta = {"started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git": bb.git_info(),
+    meta = {"started_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "git": bb.git_info(),
             "loadavg_start": os.getloadavg(), "conns": opts.conns, "tubes": opts.tubes, "jobs": opts.jobs,
             "measure_seconds": opts.measure_seconds, "active_rate": opts.active_rate, "pool_rate": opts.pool_rate,
             "ours_args": opts.ours_args, "nofile": soft, "cpus": os.cpu_count()}
     results = [run_server(kind, opts, log) for kind in opts.servers.split(",") if kind]
-    meta["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta["finished_utc"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     meta["loadavg_end"] = os.getloadavg()
     table = markdown(results)
     print(table)
     print(f"\n{opts.conns:,} connections, {opts.tubes:,} tubes, {opts.jobs:,} x 100-byte jobs; active client "
-          f"{opts.active_rate:g} cycles/s; load average {meta['loadavg_start'][0]:.1f} at start on {os.cpu_count()} CPUs")
+          f"{opts.active_rate:g} cycles/s; load average {meta['loadavg_start'][0]:.1f} at start "
+          f"on {os.cpu_count()} CPUs")
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results, "table_md": table}, indent=1))

@@ -31,7 +31,8 @@ GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # its format, and recovery, which restores a million jobs at start); everything else stays interpreted.
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.jobtable", "broker.model", "broker.queue",
                                "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection",
-                               "broker.stats", "broker.binlog_format", "broker.queue_restore", "broker.binlog_recovery")
+                               "broker.stats", "broker.binlog_format", "broker.queue_restore", "broker.binlog_recovery",
+                               "broker.limits")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -72,10 +73,15 @@ def _extension(module: str) -> Path | None:
 
 
 def _group_library() -> Path | None:
+    """The mypyc group library the compiled modules load, if this process can import it.
+
+    It sits beside the package, which is not always on ``sys.path`` (an editable install
+    maps the packages only): then the extension modules exist but cannot load."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = PACKAGE_DIR.parent / f"{GROUP}__mypyc{suffix}"
         if path.exists():
-            return path
+            spec = importlib.util.find_spec(f"{GROUP}__mypyc")
+            return path if spec is not None and spec.origin and Path(spec.origin).resolve() == path else None
     return None
 
 
@@ -112,11 +118,16 @@ def select() -> Selection:
     return choice
 
 
+def is_compiled_file(module_file: str) -> bool:
+    """Is a module with this ``__file__`` an extension module (the compiled build)? A hot
+    module asks this about itself where the two builds are best served by different code."""
+    return module_file.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
 def running() -> Selection:
     """What this process actually runs (after the hot modules were imported)."""
-    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     compiled = [m for m in HOT_MODULES if m in sys.modules
-                and str(getattr(sys.modules[m], "__file__", "")).endswith(suffixes)]
+                and is_compiled_file(str(getattr(sys.modules[m], "__file__", "")))]
     if compiled:
         names = ", ".join(m.rpartition(".")[2] for m in compiled)
         return Selection(True, f"compiled (mypyc): {names}", tuple(compiled))

@@ -80,7 +80,7 @@ from broker.binlog_file import BinlogDir, BinlogError, CrashHook, FsyncThread, s
 from broker.binlog_recovery import RestoreTally, Scanner, ScanResult, restore_records
 from broker.binlog_segments import DEL, FIXED, NS, SLACK, SegmentLog
 from broker.queue import DELAYED, INVALID, Job, Queue, QueueListener, StorageFull
-from broker.queue_restore import restore_jobs
+from broker.queue_restore import Restorer
 
 __all__ = ["Binlog", "BinlogError", "open_binlog"]
 
@@ -147,7 +147,9 @@ class Binlog(SegmentLog, QueueListener):
         gc_was_on = gc.isenabled()
         gc.disable()  # a million new objects and no garbage: collections would cost more than the restore
         try:
-            restore_jobs(queue, restore_records(rec, self._wall_off, tally))
+            restorer = Restorer(queue)
+            restore_records(rec, self._wall_off, tally, restorer)
+            restorer.finish()
         finally:
             if gc_was_on:
                 gc.enable()

@@ -16,14 +16,13 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
 from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY
-from broker.queue_restore import RecoveredJob
+from broker.queue_restore import RecoveredJob, Restorer
 
 LOC_BITS: Final = 40
 LOC_MASK: Final = (1 << LOC_BITS) - 1
@@ -33,16 +32,22 @@ LOC_MASK: Final = (1 << LOC_BITS) - 1
 class ScanResult:
     """What the scan found, until the restore puts it in the queue.
 
-    Kept compact for big logs: a job is the *location* of its latest K_JOB record,
-    ``(n << 40) | offset`` with ``n`` the position of its segment in ``datas`` (locations
-    grow in log order, so they double as sequence numbers); its fields are decoded once,
-    when it is restored.
+    Nothing is kept per live job: the restore walks each segment's records again (their
+    checksums checked already) and decodes every K_JOB record that is still current. To
+    tell which are, the scan keeps only the exceptions, keyed by job id, as *locations*
+    ``(n << 40) | offset`` with ``n`` the position of the segment in ``datas`` (locations
+    grow in log order, so they double as sequence numbers): the last K_DELETE of an id,
+    the last K_JOB of an id that was seen before (a compaction copy), the newest K_UPDATE.
+    A log of a million fresh puts holds no exception at all.
     """
 
-    jobs: dict[int, int] = field(default_factory=dict)  # id -> location of its latest K_JOB record
-    updates: dict[int, tuple[int, fmt.UpdateRecord]] = field(default_factory=dict)  # newer K_UPDATE
+    dead: dict[int, int] = field(default_factory=dict)  # id -> location of its K_DELETE record
+    latest: dict[int, int] = field(default_factory=dict)  # id -> location of its last K_JOB, if it has several
+    # id -> (location, record) of the K_UPDATE after its last K_JOB; location -1: a reserve
+    # only, the job keeps the state and place of its K_JOB record
+    updates: dict[int, tuple[int, fmt.UpdateRecord]] = field(default_factory=dict)
     datas: list[bytes | None] = field(default_factory=list)  # segment contents, by position
-    full_ids: list[array[int] | None] = field(default_factory=list)  # by position: ids of its K_JOB records
+    skips: dict[int, dict[int, int]] = field(default_factory=dict)  # by position: damage skipped, offset -> next
     indexes: list[int] = field(default_factory=list)  # segment index, by position
     max_id: int = 0
     records: int = 0
@@ -105,12 +110,10 @@ class Scanner:
             self._damage(path, idx, 0, exc.reason, None)
             return  # ignore_damage: the whole segment is unreadable
         rec.max_id = max(rec.max_id, hmax)
-        base = len(rec.datas) << LOC_BITS
+        seg_no = len(rec.datas)
         rec.datas.append(data)
         rec.indexes.append(idx)
-        seg_ids: array[int] = array("Q")
-        rec.full_ids.append(seg_ids)
-        valid_end = self._read_records(data, path, idx, newest, base, seg_ids, f"segment {n + 1}/{total}")
+        valid_end = self._read_records(data, path, idx, newest, seg_no, f"segment {n + 1}/{total}")
         rec.segments.append(idx)
         rec.sizes[idx] = valid_end
         if rec.torn and rec.torn[-1][0] == path:
@@ -119,68 +122,70 @@ class Scanner:
         elif end > valid_end and idx not in rec.damaged:
             truncate_file(path, valid_end)  # only zeros there: allocated space never written
 
-    def _read_records(self, data: bytes, path: str, idx: int, newest: bool, base: int, seg_ids: array[int],
-                      where: str) -> int:
+    def _read_records(self, data: bytes, path: str, idx: int, newest: bool, seg_no: int, where: str) -> int:
         """Apply every valid record of one segment; returns the end of its valid data."""
         end = len(data)
+        base = seg_no << LOC_BITS
         pos = valid_end = fmt.HEADER_SIZE
-        with memoryview(data) as mv:
-            while True:
-                try:
-                    stop = fmt.check_record(mv, pos, end)
-                except fmt.FormatError as exc:
-                    pos = self._bad(path, idx, data, pos, end, newest, exc.reason)
-                    if pos < 0:
-                        break
-                    continue
-                if stop == pos:
-                    break  # zeros: the end of the data
-                self.apply_record(data, pos, base, seg_ids)
-                pos = valid_end = stop
-                if not self.result.records & 0xFFFF:
-                    self._progress(where, idx)
+        while True:
+            try:
+                stop, kind, jid = fmt.read_head(data, pos, end)
+            except fmt.FormatError as exc:
+                nxt = self._bad(path, idx, data, pos, end, newest, exc.reason)
+                if nxt < 0:
+                    break
+                self.result.skips.setdefault(seg_no, {})[pos] = nxt  # the restore's walk skips it too
+                pos = nxt
+                continue
+            if stop == pos:
+                break  # zeros: the end of the data
+            self.apply_record(data, pos, kind, jid, base)
+            pos = valid_end = stop
+            if not self.result.records & 0xFFFF:
+                self._progress(where, idx)
         return valid_end
 
-    def apply_record(self, data: bytes, pos: int, base: int, seg_ids: array[int]) -> None:
-        """One checked record: the last K_JOB/K_UPDATE of a job wins until a K_DELETE removes it."""
+    def apply_record(self, data: bytes, pos: int, kind: int, jid: int, base: int) -> None:
+        """One checked record (its kind and job id read already): the last K_JOB/K_UPDATE of a
+        job wins until a K_DELETE removes it. Only the exceptions are noted (see ScanResult)."""
         rec = self.result
         rec.records += 1
-        kind = data[pos + fmt.FRAME_SIZE]
-        if kind == fmt.K_UPDATE:
-            update = fmt.decode_update(data, pos)
-            jid = update.job_id
-            full = rec.jobs.get(jid)
-            if full is None:
-                return  # its K_JOB is in a deleted segment
-            if update.state != fmt.S_RESERVED:
-                rec.updates[jid] = (base | pos, update)
-                return
-            # A reserve: only the counters move; the job comes back in the state it was
-            # reserved from (that of the record before), at that record's place in the log.
-            prev = rec.updates.get(jid)
-            if prev is None:
-                rec.updates[jid] = (full, update)
-            else:
-                rec.updates[jid] = (prev[0], prev[1]._replace(reserves=update.reserves, timeouts=update.timeouts,
-                                                              releases=update.releases, buries=update.buries,
-                                                              kicks=update.kicks))
-            return
-        jid = fmt.record_id(data, pos)
         if kind == fmt.K_JOB:
-            rec.jobs[jid] = base | pos
-            seg_ids.append(jid)
-        else:  # K_DELETE
-            rec.jobs.pop(jid, None)
-        if rec.updates:
-            rec.updates.pop(jid, None)
-        rec.max_id = max(rec.max_id, jid)
+            if jid > rec.max_id:
+                rec.max_id = jid  # a new job: ids grow, so no earlier record of it exists
+            else:
+                rec.latest[jid] = base | pos  # maybe a copy of an earlier record: the last one counts
+        elif kind == fmt.K_DELETE:
+            rec.dead[jid] = base | pos
+            if jid > rec.max_id:
+                rec.max_id = jid
+        else:
+            self._apply_update(fmt.decode_update(data, pos), base | pos)
+            return
+        if rec.updates and jid in rec.updates:
+            del rec.updates[jid]
+
+    def _apply_update(self, update: fmt.UpdateRecord, loc: int) -> None:
+        rec = self.result
+        jid = update.job_id
+        if update.state != fmt.S_RESERVED:
+            rec.updates[jid] = (loc, update)
+            return
+        # A reserve: only the counters move; the job comes back in the state it was
+        # reserved from (that of the record before), at that record's place in the log.
+        prev = rec.updates.get(jid)
+        if prev is None:
+            rec.updates[jid] = (-1, update)
+        else:
+            rec.updates[jid] = (prev[0], prev[1]._replace(reserves=update.reserves, timeouts=update.timeouts,
+                                                          releases=update.releases, buries=update.buries,
+                                                          kicks=update.kicks))
 
     def _progress(self, where: str, idx: int) -> None:
         now = time.monotonic()
         if now - self._last_report >= 2.0:
             self._last_report = now
-            say(f"recovering: {where} ({fmt.segment_name(idx)}), {self.result.records:,} records read, "
-                f"{len(self.result.jobs):,} live jobs so far")
+            say(f"recovering: {where} ({fmt.segment_name(idx)}), {self.result.records:,} records read")
 
     def _bad(self, path: str, idx: int, data: bytes, pos: int, end: int, newest: bool, reason: str) -> int:
         """A record that does not decode at ``pos``. Returns where to go on, or -1 to stop reading this file."""
@@ -219,98 +224,146 @@ class RestoreTally:
     bytes: int = 0
 
 
-NO_COUNTERS = (0, 0, 0, 0, 0)
+NO_COUNTERS: Final = (0, 0, 0, 0, 0)
+# Final names: mypyc keeps them in C variables (a plain module name is a dict lookup per use)
+_BURIED: Final = BURIED
+_DELAYED: Final = DELAYED
+_READY: Final = READY
+_CREATED_GRAIN: Final = CREATED_GRAIN
 
 
-def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally) -> Iterator[RecoveredJob]:
-    """The latest state of every live job, in log order, buried jobs last (in burial order).
+def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restorer: Restorer) -> None:
+    """Hand ``restorer`` the latest state of every live job, in log order, buried jobs last
+    (in burial order).
 
-    Goes segment by segment and lets go of each segment's contents once its jobs are out,
-    so that the log is not held in memory next to the restored jobs. ``wall_off`` turns
-    the log's wall-clock times into the queue's clock.
+    Walks each segment's records (checked by the scan) and lets go of the segment's
+    contents once its jobs are out, so that the log is not held in memory next to the
+    restored jobs. ``wall_off`` turns the log's wall-clock times into the queue's clock.
     """
-    decoder = _Decoder(wall_off)
-    buried: list[tuple[int, RecoveredJob]] = []
-    jobs = rec.jobs
-    updates = rec.updates
-    table_for = len(jobs)  # a dict keeps its table when emptied: copy it once it is half empty
-    for seg_no, seg_ids in enumerate(rec.full_ids):
-        data = rec.datas[seg_no]
-        if data is None or seg_ids is None:
+    decoder = _Decoder(rec, wall_off, restorer)
+    for seg_no, data in enumerate(rec.datas):
+        if data is None:
             continue
         home = rec.indexes[seg_no]
-        home_ids = tally.home_ids[home]
-        here = nbytes = 0
-        for jid in seg_ids:
-            loc = jobs.pop(jid, -1)
-            if loc < 0:
-                continue  # deleted, or restored already
-            if loc >> LOC_BITS != seg_no:
-                jobs[jid] = loc  # a later K_JOB record of it exists
+        decoder.start_segment(seg_no, home)
+        end = rec.sizes[home]  # the end of its valid records
+        skips = rec.skips.get(seg_no)
+        pos = fmt.HEADER_SIZE
+        while pos < end:
+            if skips is not None and pos in skips:
+                pos = skips[pos]
                 continue
-            newer = updates.pop(jid, None) if updates else None
-            job = decoder.job(data, loc & LOC_MASK, home, newer)
-            home_ids.append(jid)
-            here += 1
-            nbytes += decoder.size
-            if job.state == BURIED:
-                buried.append((loc if newer is None else newer[0], job))
+            kind = data[pos + fmt.FRAME_SIZE]
+            if kind == fmt.K_JOB:
+                pos += decoder.job(data, pos)
+            elif kind == fmt.K_UPDATE:
+                pos += fmt.UPDATE_RECORD_SIZE
             else:
-                yield job
-        tally.live[home] += here
-        tally.jobs += here
-        tally.bytes += nbytes
+                pos += fmt.DELETE_RECORD_SIZE
+        here = decoder.here
+        tally.home_ids[home].fromlist(here)
+        tally.live[home] += len(here)
+        tally.jobs += len(here)
+        tally.bytes += decoder.nbytes
         rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
-        rec.full_ids[seg_no] = None
-        if 2 * len(jobs) < table_for:
-            rec.jobs = jobs = dict(jobs)
-            table_for = len(jobs)
+    buried = decoder.buried
     tally.buried = len(buried)
     buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
     for _, job in buried:
-        yield job
+        restorer.add_record(job)
 
 
 class _Decoder:
-    """Decodes K_JOB records into :class:`RecoveredJob`; equal tube names and creation times
-    (to the millisecond, as a put keeps them) come out as one shared object."""
+    """Decodes the current K_JOB records for a :class:`Restorer`; equal tube names and
+    creation times (to the millisecond, as a put keeps them) come out as one shared object.
+    Buried jobs wait in ``buried`` (with their place in the log), to be restored last."""
 
-    def __init__(self, wall_off: int) -> None:
+    def __init__(self, rec: ScanResult, wall_off: int, restorer: Restorer) -> None:
         self.wall_off = wall_off
+        self.restorer = restorer
+        self.dead = rec.dead
+        self.latest = rec.latest
+        self.updates = rec.updates
         self.tube_names: dict[bytes, str] = {}
         self.recent_created = 0
-        self.size = 0  # bytes on disk of the record decoded last
+        self.buried: list[tuple[int, RecoveredJob]] = []
+        self.base = 0
+        self.home = 0
+        self.here: list[int] = []  # ids of the jobs restored from the current segment
+        self.nbytes = 0  # ...and their bytes on disk
 
-    def job(self, data: bytes, pos: int, home: int, newer: tuple[int, fmt.UpdateRecord] | None) -> RecoveredJob:
-        """One job's K_JOB record at ``pos``, with its newest K_UPDATE (``newer``) applied."""
-        length = fmt.record_length(data, pos)
-        self.size = fmt.FRAME_SIZE + length
-        (_kind, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
-         tube_len) = fmt.JOB.unpack_from(data, pos + fmt.FRAME_SIZE)
+    def start_segment(self, seg_no: int, home: int) -> None:
+        self.base = seg_no << LOC_BITS
+        self.home = home
+        self.here = []
+        self.nbytes = 0
+
+    def current(self, job_id: int, loc: int) -> bool:
+        """Is the K_JOB record at ``loc`` the job's latest, and the job not deleted after it?"""
+        gone = self.dead.get(job_id)
+        if gone is not None and gone > loc:
+            return False
+        last = self.latest.get(job_id)
+        return last is None or last == loc
+
+    def job(self, data: bytes, pos: int) -> int:
+        """The K_JOB record at ``pos``: restore it if it is current, with its newest K_UPDATE
+        applied; returns the record's size on disk."""
+        length: int
+        job_id: int
+        state: int
+        pri: int
+        delay: int
+        ttr: int
+        created: int
+        deadline: int
+        reserves: int
+        timeouts: int
+        releases: int
+        buries: int
+        kicks: int
+        tube_len: int
+        (length, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
+         tube_len) = fmt.job_fields(data, pos)
+        size = fmt.FRAME_SIZE + length
+        loc = self.base | pos
+        if (self.dead or self.latest) and not self.current(job_id, loc):
+            return size
         tstart = pos + fmt.JOB_RECORD_FIXED
         bstart = tstart + tube_len
         tb = data[tstart:bstart]
         name = self.tube_names.get(tb)
         if name is None:
             name = self.tube_names[tb] = tb.decode("latin-1")
-        body = data[bstart:pos + self.size]
+        body = data[bstart:pos + size]
+        newer = self.updates.pop(job_id, None) if self.updates else None
+        place = loc
         if newer is not None:
             u = newer[1]
             reserves, timeouts, releases, buries, kicks = u.reserves, u.timeouts, u.releases, u.buries, u.kicks
-            if u.state != fmt.S_RESERVED:
+            if newer[0] >= 0:
                 state, pri, delay, deadline = u.state, u.pri, u.delay, u.deadline
-            # else only reserves since the K_JOB record: its state stands
+                place = newer[0]
+            # else only reserves since the K_JOB record: its state and place stand
         counters = ((reserves, timeouts, releases, buries, kicks)
                     if reserves or timeouts or releases or buries or kicks else NO_COUNTERS)
-        if state == BURIED:
+        if state == _BURIED:
             deadline = 0
-        elif state == DELAYED:
+        elif state == _DELAYED:
             deadline -= self.wall_off
         else:
-            state = READY
+            state = _READY
         created -= self.wall_off
-        if 0 <= created - self.recent_created < CREATED_GRAIN:
+        if 0 <= created - self.recent_created < _CREATED_GRAIN:
             created = self.recent_created
         else:
             self.recent_created = created
-        return RecoveredJob(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+        home = self.home
+        if state == _BURIED:
+            job = RecoveredJob(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+            self.buried.append((place, job))
+        else:
+            self.restorer.add(job_id, name, pri, delay, ttr, body, state, deadline, created, counters, home)
+        self.here.append(job_id)
+        self.nbytes += size
+        return size

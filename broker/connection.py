@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from broker import logs, queue_timers, queue_verbs, security, stats
 from broker import protocol as p
@@ -54,8 +54,8 @@ _COUNTED_AS.update({"put-header": "put", "too-big": "put", "reserve": "reserve",
 
 # While a client is blocked in reserve we keep reading (to notice a hang-up), but stop
 # reading once this much unprocessed input has piled up behind the reserve.
-MAX_BUFFER_WHILE_WAITING = 1 << 20
-_FLUSH_BYTES = 1 << 16
+MAX_BUFFER_WHILE_WAITING: Final = 1048576  # 1 MiB
+_FLUSH_BYTES: Final = 65536
 
 
 class FlowControl:
@@ -285,9 +285,9 @@ class BrokerConnection(asyncio.Protocol):
         try:
             while True:
                 handled += 1
-                # Write out every 64 commands or 64 KiB of replies: output stays bounded (a
+                # Write out every 256 commands or 64 KiB of replies: output stays bounded (a
                 # client pipelining `peek` of big jobs), back-pressure is noticed promptly.
-                if not handled & 63 or pending > flush_bytes:
+                if not handled & 255 or pending > flush_bytes:  # 256: a client's 64-deep packet gets one write
                     pending = 0
                     self._flush()
                     if flow.write_paused or self.closing:
@@ -316,25 +316,40 @@ class BrokerConnection(asyncio.Protocol):
         """Run one decoded command: its reply, or None when there is none yet (a reserve now
         waiting, a put header) or the connection is closing (quit).
 
-        The one place where commands are counted (stats cmd-*, metrics): puts and the
-        id commands in their own branch (the hot ones), the rest through _COUNTED_AS.
+        The one place where commands are counted (stats cmd-*, metrics): put, reserve, delete and
+        reserve-with-timeout in the queue's native counters (Queue.counted_ops), the id commands in
+        their own branch, the rest through _COUNTED_AS.
         """
         queue = self.queue
+        name = cmd[0]
         gate = self.state.write_gate  # replication: None unless this broker is a replicated member
-        if gate is not None and cmd[0] in gate.commands and type(cmd) is not p.PutLine:
-            refusal = gate.refuse(cmd[0])
+        if gate is not None and name in gate.commands and type(cmd) is not p.PutLine:
+            refusal = gate.refuse(name)
             if refusal is not None:
                 return refusal
-        if type(cmd) is p.Put:  # first: the commonest, and the one counted differently
-            _, pri, delay, ttr, body, header_seen = cmd
+        # The hot commands first, told apart by name (a compare with a literal; compiled, a type
+        # test is a module attribute look-up) and called directly, not through a table.
+        if name == "put":  # a Put: the decoder names a put line still waiting for its body "put-header"
+            put: p.Put = cmd  # type: ignore[assignment]  # not cast(): interpreted, that is a call
+            _, pri, delay, ttr, body, header_seen = put
             if not header_seen:  # else its put-header was counted
-                queue.op_counts["put"] += 1
+                queue.cmd_put += 1
             return queue.put(self.client, pri, delay, ttr, body, header_seen)
-        if type(cmd) is p.IdArg:  # delete, touch, peek...: unpacked, as cheap as a plain tuple
-            name, job_id = cmd
+        if name == "reserve":
+            queue.cmd_reserve += 1
+            return queue.reserve(self.client, -1)
+        if name == "delete":
+            queue.cmd_delete += 1
+            by_id: p.IdArg = cmd  # type: ignore[assignment]
+            return queue.delete(self.client, by_id[1])
+        if name == "reserve-with-timeout":
+            queue.cmd_reserve_timeout += 1
+            seconds: p.IntArg = cmd  # type: ignore[assignment]
+            return queue.reserve(self.client, seconds[1])
+        if type(cmd) is p.IdArg:  # touch, peek, stats-job...: unpacked, as cheap as a plain tuple
+            job_id = cmd[1]
             queue.op_counts[name] += 1
             return _BY_ID[name](queue, self.client, job_id)
-        name = cmd.name
         counted = _COUNTED_AS.get(name)
         if counted is not None:
             queue.op_counts[counted] += 1
@@ -343,8 +358,6 @@ class BrokerConnection(asyncio.Protocol):
                 queue.op_counts[cmd.counted] += 1
             return cmd.reply
         if type(cmd) is p.Bare:
-            if name == "reserve":
-                return queue.reserve(self.client, -1)
             fn = _BARE.get(name)
             if fn is not None:
                 return fn(queue, self.client)
@@ -354,10 +367,8 @@ class BrokerConnection(asyncio.Protocol):
             return None  # quit, too-big (its JOB_TOO_BIG follows once the body is skipped)
         if isinstance(cmd, p.TubeArg):
             return _BY_TUBE[name](queue, self.client, cmd.tube)
-        if isinstance(cmd, p.IntArg):
-            if name == "kick":
-                return queue_verbs.kick(queue, self.client, cmd.value)
-            return queue.reserve(self.client, cmd.value)
+        if isinstance(cmd, p.IntArg):  # kick (reserve-with-timeout is above)
+            return queue_verbs.kick(queue, self.client, cmd.value)
         if isinstance(cmd, p.Release):
             return queue_verbs.release(queue, self.client, cmd.job_id, cmd.pri, cmd.delay)
         if isinstance(cmd, p.Bury):

@@ -37,9 +37,9 @@ _STATS_KEYS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
-    """0 means unlimited for every count and size."""
+    """0 means unlimited for every count and size. Frozen: the queue keeps native copies of a few."""
 
     max_connections: int = 0
     max_jobs: int = 0

@@ -54,7 +54,7 @@ class BrokerCollector:
         yield GaugeMetricFamily("beanstalk_job_bytes", "Total size of held job bodies", value=queue.held_bytes)
         yield GaugeMetricFamily("beanstalk_tubes", "Tubes that exist", value=len(queue.tubes))
         commands = CounterMetricFamily("beanstalk_commands", "Commands received, by command", labels=["command"])
-        for name, count in queue.op_counts.items():
+        for name, count in queue.counted_ops().items():
             commands.add_metric([name], count)
         yield commands
         yield GaugeMetricFamily("beanstalk_connections", "Open client connections", value=queue.cur_conns)

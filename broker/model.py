@@ -9,6 +9,7 @@ tube's waiting clients jobs in a rotating order.
 from __future__ import annotations
 
 import heapq
+import importlib.machinery
 from collections.abc import Callable
 from typing import Final, Generic, TypeVar
 
@@ -16,11 +17,17 @@ from mypy_extensions import mypyc_attr
 
 from broker.jobtable import JobTable
 
-NS = 1_000_000_000
-URGENT_THRESHOLD = 1024
-SAFETY_MARGIN = NS  # DEADLINE_SOON: one second before a reserved job's TTR runs out
+# Final: mypyc puts these values into the compiled code; a plain module global is a dict
+# look-up and an unboxing at every use (a few hundred instructions on every command).
+NS: Final = 1_000_000_000
+URGENT_THRESHOLD: Final = 1024
+SAFETY_MARGIN: Final = 1_000_000_000  # DEADLINE_SOON: one second (NS) before a reserved job's TTR runs out
 
-READY, DELAYED, RESERVED, BURIED, INVALID = range(5)
+READY: Final = 0
+DELAYED: Final = 1
+RESERVED: Final = 2
+BURIED: Final = 3
+INVALID: Final = 4
 STATE_NAMES = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
@@ -38,7 +45,16 @@ def heap_entry(key: int, job_id: int) -> int:
     return (key << ID_BITS) | job_id
 
 
-INT_POOL_MAX = 1024  # distinct values shared by shared_int; past that, new values stay per job
+# heapq's two hot functions, Final: compiled, a C static each (``heapq.heappush`` is a module
+# attribute look-up on every call). Used by the queue and the timer heap too.
+heappush: Final = heapq.heappush
+heappop: Final = heapq.heappop
+
+# Compiled (mypyc), a Job's int fields are machine words, not int objects: sharing equal ints
+# between jobs (shared_int) saves nothing there and costs a boxing and a dict look-up per put.
+COMPILED: Final = str(__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+INT_POOL_MAX: Final = 1024  # distinct values shared by shared_int; past that, new values stay per job
 
 
 def shared_int(pool: dict[int, int], value: int) -> int:
@@ -261,7 +277,7 @@ class Tube:
             job = jobs.get(entry & ID_MASK)  # ready_live, inlined: this is the reserve path
             if job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS:
                 return job
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def delayed_top(self) -> Job | None:
@@ -270,7 +286,7 @@ class Tube:
             entry = heap[0]
             if self.delayed_live(entry):
                 return self.jobs[entry & ID_MASK]
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def prune_ready(self) -> None:
@@ -333,7 +349,7 @@ class Client:
             deadline, _, job = heap[0]
             if job.reserver is self and job.state == RESERVED and job.deadline == deadline:
                 return deadline
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
 

@@ -22,17 +22,20 @@ whose first field is the command name (interned str); see :meth:`Decoder.next_co
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from beanstalk_rules.tubes import NAME_BYTES as NAME_CHARS
 from beanstalk_rules.tubes import valid_tube_name
 
-LINE_LIMIT = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
-DEFAULT_MAX_JOB_SIZE = 65535
-U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
-ULONG_MAX = 2**64 - 1
-LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
+# Final, and literals: mypyc compiles these values in, where a module global costs a dict
+# look-up and an unboxing at each use (this module runs for every command).
+LINE_LIMIT: Final = 224  # beanstalkd's LINE_BUF_SIZE: command line including CRLF
+DEFAULT_MAX_JOB_SIZE: Final = 65535
+U32_MAX: Final = 4294967295  # 2**32 - 1
+U64_MAX: Final = 18446744073709551615  # 2**64 - 1
+ULONG_MAX: Final = 18446744073709551615
+LONG_MIN: Final = -9223372036854775808  # -(2**63)
+LONG_MAX: Final = 9223372036854775807
 
 C_SPACE = b" \t\n\v\f\r"
 
@@ -123,29 +126,30 @@ Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
 # Parsed lines that repeat endlessly ("put 0 0 60 312", "reserve", "use jobs"), shared by the
 # decoders of one server (see ServerState); bounded: cleared when full.
 LineCache = dict[bytes, LineCommand]
-LINE_CACHE_SIZE = 4096
+LINE_CACHE_SIZE: Final = 4096
 TOO_BIG = Bare("too-big")
 # Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
 # NamedTuple constructor is a Python-level function, several times slower than this.
-_new = tuple.__new__
+# Final: compiled, a C static rather than a look-up in the module's dict.
+_new: Final = tuple.__new__
 
 # Replies (constants; formatted ones are built where used).
-BAD_FORMAT = b"BAD_FORMAT\r\n"
-UNKNOWN_COMMAND = b"UNKNOWN_COMMAND\r\n"
-EXPECTED_CRLF = b"EXPECTED_CRLF\r\n"
-JOB_TOO_BIG = b"JOB_TOO_BIG\r\n"
-OUT_OF_MEMORY = b"OUT_OF_MEMORY\r\n"
-DRAINING = b"DRAINING\r\n"
-NOT_FOUND = b"NOT_FOUND\r\n"
-DELETED = b"DELETED\r\n"
-RELEASED = b"RELEASED\r\n"
-BURIED = b"BURIED\r\n"
-KICKED = b"KICKED\r\n"
-TOUCHED = b"TOUCHED\r\n"
-PAUSED = b"PAUSED\r\n"
-NOT_IGNORED = b"NOT_IGNORED\r\n"
-TIMED_OUT = b"TIMED_OUT\r\n"
-DEADLINE_SOON = b"DEADLINE_SOON\r\n"
+BAD_FORMAT: Final = b"BAD_FORMAT\r\n"
+UNKNOWN_COMMAND: Final = b"UNKNOWN_COMMAND\r\n"
+EXPECTED_CRLF: Final = b"EXPECTED_CRLF\r\n"
+JOB_TOO_BIG: Final = b"JOB_TOO_BIG\r\n"
+OUT_OF_MEMORY: Final = b"OUT_OF_MEMORY\r\n"
+DRAINING: Final = b"DRAINING\r\n"
+NOT_FOUND: Final = b"NOT_FOUND\r\n"
+DELETED: Final = b"DELETED\r\n"
+RELEASED: Final = b"RELEASED\r\n"
+BURIED: Final = b"BURIED\r\n"
+KICKED: Final = b"KICKED\r\n"
+TOUCHED: Final = b"TOUCHED\r\n"
+PAUSED: Final = b"PAUSED\r\n"
+NOT_IGNORED: Final = b"NOT_IGNORED\r\n"
+TIMED_OUT: Final = b"TIMED_OUT\r\n"
+DEADLINE_SOON: Final = b"DEADLINE_SOON\r\n"
 
 
 def yaml_list(names: Iterable[str]) -> bytes:
@@ -339,6 +343,10 @@ def parse_line(line: bytes, max_job_size: int, cache: LineCache | None = None) -
 
 
 def _parse_uncached(line: bytes, max_job_size: int, cache: LineCache | None) -> LineCommand:
+    if line.startswith(b"delete "):  # the commonest line the cache cannot hold: no split(), no table
+        digits = line[7:]
+        if len(digits) < 20 and digits.isdigit():  # < 20 digits: below 2**64 (read_u64's limit)
+            return _new(IdArg, ("delete", int(digits)))
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")
@@ -420,7 +428,10 @@ def _parse_pause(line: bytes) -> PauseTube:
 
 
 # Decoder modes
-_LINE, _ENDLINE, _BODY, _SKIP = range(4)
+_LINE: Final = 0
+_ENDLINE: Final = 1
+_BODY: Final = 2
+_SKIP: Final = 3
 
 
 class Decoder:
@@ -475,9 +486,13 @@ class Decoder:
             self.buf = data if type(data) is bytes else bytes(data)
             self.pos = 0
         elif isinstance(buf, bytes):
-            grown = bytearray(buf[pos:])
-            grown += data
-            self.buf = grown
+            rest = buf[pos:]
+            if len(data) >= len(rest):  # one copy, at most twice the new input: linear overall
+                self.buf = rest + data
+            else:  # a large body arriving in small packets: grow in place
+                grown = bytearray(rest)
+                grown += data
+                self.buf = grown
             self.pos = 0
         else:
             if pos > 65536 and pos * 2 > len(buf):
@@ -527,7 +542,8 @@ class Decoder:
         """
         if self.mode != _LINE:
             return self._next_other()
-        buf = self.buf
+        raw = self.buf
+        buf = raw if isinstance(raw, bytes) else self._as_bytes(raw)  # compiled: bytes primitives below
         start = self.pos
         avail = len(buf) - start
         if avail <= 0:
@@ -541,8 +557,6 @@ class Decoder:
                 return self._next_endline()
             return None
         line = buf[start:cr]
-        if type(line) is not bytes:  # sliced from a bytearray (see feed)
-            line = bytes(line)
         self.pos = cr + 2
         cmd = self.line_cache.get(line)  # a hit is a well-formed line (auth lines are never cached)
         if cmd is None:
@@ -554,9 +568,10 @@ class Decoder:
                 return Error("error", err.reply, err.counted)
             except TooBig as big:
                 return self._skip(big.skip)
-        if type(cmd) is not PutLine:
+        if cmd[0] != "put":  # only a PutLine is named "put" here (a str compare: no global look-up)
             return cmd
-        _, pri, delay, ttr, size = cmd
+        put_line: PutLine = cmd  # type: ignore[assignment]  # not cast(): interpreted, that is a call
+        _, pri, delay, ttr, size = put_line
         if size > self.max_job_size:  # a line cached under a larger limit
             return self._skip(size + 2)
         end = cr + size + 4
@@ -564,13 +579,20 @@ class Decoder:
             self.pos = end
             if buf[end - 2] != 13 or buf[end - 1] != 10:
                 return _new(Put, ("put", pri, delay, ttr, None, False))
-            body = buf[cr + 2:end - 2]
-            return _new(Put, ("put", pri, delay, ttr, body if type(body) is bytes else bytes(body), False))
-        self.pending = cmd
+            return _new(Put, ("put", pri, delay, ttr, buf[cr + 2:end - 2], False))
+        self.pending = put_line
         self.need = size + 2
         self.header_sent = False
         self.mode = _BODY
         return self._next_body()
+
+    def _as_bytes(self, raw: bytearray) -> bytes:
+        """The unread input as bytes, which becomes the buffer until more arrives: lines are cut
+        from bytes only (a bytearray's slices would be copied again, and compiled they are generic calls)."""
+        buf = bytes(memoryview(raw)[self.pos:])
+        self.buf = buf
+        self.pos = 0
+        return buf
 
     def _next_other(self) -> Command | None:
         mode = self.mode

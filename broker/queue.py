@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Final, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -24,6 +24,7 @@ from broker.jobtable import JobTable
 from broker.limits import Limits, Refusals
 from broker.model import (
     BURIED,
+    COMPILED,
     DELAYED,
     ID_BITS,
     INVALID,
@@ -37,6 +38,8 @@ from broker.model import (
     Job,
     SwapSet,
     Tube,
+    heappop,
+    heappush,
     job_reply,
     shared_int,
 )
@@ -51,7 +54,7 @@ from broker.timers import (
 __all__ = ["BURIED", "DELAYED", "INVALID", "NS", "READY", "RESERVED", "STATE_NAMES", "URGENT_THRESHOLD",
            "Client", "Job", "Queue", "QueueListener", "StorageFull", "Tube"]
 
-CREATED_GRAIN = 1_000_000  # ns: `created` may be this much early (ages are reported in whole seconds)
+CREATED_GRAIN: Final = 1_000_000  # ns: `created` may be this much early (ages are reported in whole seconds)
 
 
 class StorageFull(Exception):
@@ -105,6 +108,10 @@ class Queue:
                  limits: Limits | None = None) -> None:
         self.clock = clock
         self.limits = limits or Limits()
+        # What put and reserve test on every command, as native fields (Limits is frozen): compiled,
+        # an attribute of the interpreted Limits dataclass is a generic look-up by name.
+        self.puts_capped = self.limits.max_jobs > 0 or self.limits.max_job_bytes > 0
+        self.reserve_cap = self.limits.max_reserved_per_connection
         self.refusals = Refusals()
         self.held_bytes = 0  # total size of the bodies held
         self.max_job_size = max_job_size
@@ -125,6 +132,12 @@ class Queue:
         self.host = HostFacts.of_this_host()  # stats: id, hostname, os, platform
         # counters
         self.op_counts: dict[str, int] = dict.fromkeys(OP_STAT_ORDER + ("reserve-job", "kick-job", "quit"), 0)
+        # cmd-put/-reserve/-delete/-reserve-with-timeout as counted by the connection's hot path: native
+        # ints (a dict entry costs a look-up, a boxed add and a store per command); see counted_ops()
+        self.cmd_put = 0
+        self.cmd_reserve = 0
+        self.cmd_delete = 0
+        self.cmd_reserve_timeout = 0
         self.ready_ct = 0
         self.urgent_ct = 0
         self.reserved_ct = 0
@@ -141,6 +154,15 @@ class Queue:
         self.extra_stats: Callable[[], Mapping[str, object]] | None = None
         self.default_tube = self._tube("default")
         self.default_tube.refs += 1  # the server's own reference: default never goes away
+
+    def counted_ops(self) -> dict[str, int]:
+        """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
+        counts = dict(self.op_counts)
+        counts["put"] += self.cmd_put
+        counts["reserve"] += self.cmd_reserve
+        counts["delete"] += self.cmd_delete
+        counts["reserve-with-timeout"] += self.cmd_reserve_timeout
+        return counts
 
     # -- tubes -------------------------------------------------------------------
     def _tube_for_client(self, client: Client, name: str) -> Tube | None:
@@ -188,13 +210,13 @@ class Queue:
         tube = job.tube
         if delay:
             job.deadline = now + delay
-            heapq.heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
+            heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = DELAYED
             tube.delayed_count += 1
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            heapq.heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
+            heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -238,7 +260,7 @@ class Queue:
         job.reserves += 1
         job.deadline = deadline = now + job.ttr * NS
         client.reserved[job.id] = job
-        heapq.heappush(client.deadlines, (deadline, job.id, job))
+        heappush(client.deadlines, (deadline, job.id, job))
         job.tube.reserved_count += 1
         self.reserved_ct += 1
         client.pending_timeout = -1
@@ -371,12 +393,7 @@ class Queue:
             return p.EXPECTED_CRLF
         if self.draining:
             return p.DRAINING
-        limits = self.limits
-        if limits.max_jobs and len(self.jobs) >= limits.max_jobs:
-            self.refusals.refuse("jobs", client.peer, f"{len(self.jobs)} jobs held")
-            return p.OUT_OF_MEMORY
-        if limits.max_job_bytes and self.held_bytes + len(body) > limits.max_job_bytes:
-            self.refusals.refuse("job_bytes", client.peer, f"{self.held_bytes} body bytes held")
+        if self.puts_capped and self._put_refused(client, len(body)):
             return p.OUT_OF_MEMORY
         now = self.clock()
         tube = client.use
@@ -385,11 +402,12 @@ class Queue:
             created = self.recent_now
             if now - created >= CREATED_GRAIN or now < created:
                 created = self.recent_now = now
-        pool = self.int_pool  # a priority or TTR above 256 would be a new int object per job
-        if pri > 256:
-            pri = pool.get(pri) or shared_int(pool, pri)
-        if ttr > 256:
-            ttr = pool.get(ttr) or shared_int(pool, ttr)
+        if not COMPILED:  # interpreted, a priority or TTR above 256 would be a new int object per job
+            pool = self.int_pool
+            if pri > 256:
+                pri = pool.get(pri) or shared_int(pool, pri)
+            if ttr > 256:
+                ttr = pool.get(ttr) or shared_int(pool, ttr)
         delay_ns = delay * NS
         job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:
@@ -404,6 +422,16 @@ class Queue:
         tube.total_jobs += 1
         self._enqueue(job, delay_ns, now)
         return b"INSERTED %d\r\n" % job_id
+
+    def _put_refused(self, client: Client, size: int) -> bool:
+        limits = self.limits
+        if limits.max_jobs and len(self.jobs) >= limits.max_jobs:
+            self.refusals.refuse("jobs", client.peer, f"{len(self.jobs)} jobs held")
+            return True
+        if limits.max_job_bytes and self.held_bytes + size > limits.max_job_bytes:
+            self.refusals.refuse("job_bytes", client.peer, f"{self.held_bytes} body bytes held")
+            return True
+        return False
 
     def reserve(self, client: Client, timeout: int = -1) -> bytes | None:
         """Reserve for this client; None means it now waits (the reply comes via deliver)."""
@@ -430,7 +458,7 @@ class Queue:
         return None
 
     def _reserve_refused(self, client: Client) -> bool:
-        cap = self.limits.max_reserved_per_connection
+        cap = self.reserve_cap
         if cap and len(client.reserved) >= cap:
             self.refusals.refuse("reserves", client.peer, f"holds {len(client.reserved)} jobs")
             return True
@@ -470,7 +498,7 @@ class Queue:
         job = best
         tube = job.tube
         tube.waiting.last_use = 1
-        heapq.heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
+        heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
         self._remove_ready(job)
         self._reserve(client, job, now)
         return job_reply(b"RESERVED", job)

@@ -3,17 +3,31 @@
 Kept apart from :class:`broker.queue.Queue`, which holds the live state machine: restoring
 is bulk work done once, before the first connection, that builds the ready and delayed
 heaps in one go (heapify is O(n); a million heappush calls are not).
+
+:class:`Restorer` takes one job per :meth:`Restorer.add` call, with plain arguments: a
+million jobs arrive at start, and a call with native arguments costs far less in the
+compiled build than a record object (a NamedTuple's ``__new__`` runs as Python code) and
+a generator step per job.
 """
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from broker import queue_apply
 from broker.model import ID_BITS, shared_int
 from broker.queue import BURIED, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
 from broker.timers import DELAYED_READY
+
+# Final copies of the queue's constants: mypyc keeps a Final name in a C variable, where a
+# plain imported name is a dictionary lookup at every use (five per job in add()).
+_BURIED: Final = BURIED
+_DELAYED: Final = DELAYED
+_READY: Final = READY
+_NS: Final = NS
+_URGENT: Final = URGENT_THRESHOLD
+_DELAYED_READY: Final = DELAYED_READY
+Counters = tuple[int, int, int, int, int]  # reserves, timeouts, releases, buries, kicks
 
 
 class RecoveredJob(NamedTuple):
@@ -28,67 +42,85 @@ class RecoveredJob(NamedTuple):
     state: int  # READY, DELAYED or BURIED (a reserved job comes back ready)
     deadline: int  # when a delayed job becomes ready
     created: int
-    counters: tuple[int, int, int, int, int]  # reserves, timeouts, releases, buries, kicks
+    counters: Counters
     file: int  # the segment holding its latest full record
 
 
-def restore_jobs(queue: Queue, records: Iterable[RecoveredJob]) -> int:
-    """Put recovered jobs back in their state, in the order given; returns how many.
+class Restorer:
+    """Puts recovered jobs back in their state, in the order of the :meth:`add` calls;
+    :meth:`finish` builds the heaps and updates the queue's counts.
 
     Reserved jobs come back ready (as in beanstalkd); a delayed job whose time has passed
-    comes back ready; buried jobs keep their FIFO order. ``total-jobs`` counts puts since
-    start, as in beanstalkd, so it is not changed here.
+    comes back ready; buried jobs keep the order they are added in. ``total-jobs`` counts
+    puts since start, as in beanstalkd, so it is not changed here.
     """
-    now = queue.clock()
-    jobs = queue.jobs
-    tubes: dict[str, Tube] = {}
-    timers = queue.timers
-    n = held = ready = urgent = delayed = 0
-    max_id = queue.next_id - 1
-    pool = queue.int_pool  # equal priorities and TTRs share one int object, as after a put
-    for job_id, tube_name, pri, delay_ns, ttr_ns, body, state, deadline, created, counters, file in records:
-        tube = tubes.get(tube_name)
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+        self.now = queue.clock()
+        self.jobs = queue.jobs
+        self.tubes: dict[str, Tube] = {}
+        self.pool = queue.int_pool  # equal priorities and TTRs share one int object, as after a put
+        self.count = 0
+        self.held = 0
+        self.ready = 0
+        self.urgent = 0
+        self.delayed = 0
+        self.max_id = queue.next_id - 1
+
+    def add(self, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes, state: int,
+            deadline: int, created: int, counters: Counters, file: int) -> None:
+        """One live job (see :class:`RecoveredJob` for the fields)."""
+        tube = self.tubes.get(tube_name)
         if tube is None:
-            tube = tubes[tube_name] = queue_apply.tube(queue, tube_name)
+            tube = self.tubes[tube_name] = queue_apply.tube(self.queue, tube_name)
         if pri > 256:
-            pri = pool.get(pri) or shared_int(pool, pri)
-        ttr = ttr_ns // NS
+            pri = self.pool.get(pri) or shared_int(self.pool, pri)
+        ttr = ttr_ns // _NS
         if ttr > 256:
-            ttr = pool.get(ttr) or shared_int(pool, ttr)
+            ttr = self.pool.get(ttr) or shared_int(self.pool, ttr)
         job = Job(job_id, tube, pri, delay_ns, ttr, body, created)
         if counters[0] or counters[1] or counters[2] or counters[3] or counters[4]:
             job.set_counters(counters)
         job.file = file
         tube.refs += 1
-        jobs[job_id] = job
-        held += len(body)
-        n += 1
-        if job_id > max_id:
-            max_id = job_id
-        if state == BURIED:
-            queue_apply.restore_buried(queue, job)
-        elif state == DELAYED and deadline > now:
+        self.jobs[job_id] = job
+        self.held += len(body)
+        self.count += 1
+        if job_id > self.max_id:
+            self.max_id = job_id
+        if state == _BURIED:
+            queue_apply.restore_buried(self.queue, job)
+        elif state == _DELAYED and deadline > self.now:
             job.deadline = deadline
             tube.delayed.append((deadline << ID_BITS) | job_id)  # heap_entry, inlined
-            job.state = DELAYED
+            job.state = _DELAYED
             tube.delayed_count += 1
-            delayed += 1
-            timers.push(deadline, DELAYED_READY, job)
+            self.delayed += 1
+            self.queue.timers.push(deadline, _DELAYED_READY, job)
         else:
             tube.ready.append((pri << ID_BITS) | job_id)  # heap_entry, inlined
-            job.state = READY
+            job.state = _READY
             tube.ready_count += 1
-            ready += 1
-            if pri < URGENT_THRESHOLD:
+            self.ready += 1
+            if pri < _URGENT:
                 tube.urgent_count += 1
-                urgent += 1
-    for tube in tubes.values():
-        heapq.heapify(tube.ready)
-        heapq.heapify(tube.delayed)
-    queue.held_bytes += held
-    queue.ready_ct += ready
-    queue.urgent_ct += urgent
-    queue.delayed_ct += delayed
-    queue.next_id = max(queue.next_id, max_id + 1)
-    queue_apply.serve_waiting(queue)
-    return n
+                self.urgent += 1
+
+    def add_record(self, job: RecoveredJob) -> None:
+        self.add(job.job_id, job.tube, job.pri, job.delay, job.ttr, job.body, job.state, job.deadline,
+                 job.created, job.counters, job.file)
+
+    def finish(self) -> int:
+        """Heapify what was added, update the queue's counts, serve waiting clients; returns how many jobs."""
+        queue = self.queue
+        for tube in self.tubes.values():
+            heapq.heapify(tube.ready)
+            heapq.heapify(tube.delayed)
+        queue.held_bytes += self.held
+        queue.ready_ct += self.ready
+        queue.urgent_ct += self.urgent
+        queue.delayed_ct += self.delayed
+        queue.next_id = max(queue.next_id, self.max_id + 1)
+        queue_apply.serve_waiting(queue)
+        return self.count

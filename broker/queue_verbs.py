@@ -7,11 +7,10 @@ hop, and :class:`Queue` keeps only the state machine and the put / reserve / del
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 from broker import protocol as p
-from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Client, Job, job_reply
+from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Client, Job, heappush, job_reply
 from broker.queue import Queue
 from broker.timers import TTR_EXPIRY, TUBE_UNPAUSE
 
@@ -101,7 +100,7 @@ def touch(queue: Queue, client: Client, job_id: int) -> bytes:
     if job is None:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS
-    heapq.heappush(client.deadlines, (deadline, job_id, job))
+    heappush(client.deadlines, (deadline, job_id, job))
     queue.timers.push(deadline, TTR_EXPIRY, job)
     return p.TOUCHED
 

@@ -207,8 +207,15 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
     loop.add_signal_handler(signal.SIGINT, server.request_stop)
     loop.add_signal_handler(signal.SIGUSR1, server.drain)
     if listener is not None:
-        listener.recover(server.queue)
-        gc.freeze()  # the recovered jobs are long-lived: keep them out of future collections
+        # The recovered jobs are long-lived: frozen out of future collections. The collector
+        # stays off until then: all of them are in the youngest generation, and the first
+        # allocation after gc.enable() would start a collection that visits each one.
+        gc.disable()
+        try:
+            listener.recover(server.queue)
+        finally:
+            gc.freeze()
+            gc.enable()
     if before_start is not None:
         before_start(server)  # replication: gates and hooks in place before the first client
     await server.start()

@@ -94,7 +94,8 @@ def stats_tube(queue: Queue, client: Client, name: str) -> bytes:
 def stats(queue: Queue, client: Client) -> bytes:
     """The server-wide `stats`: beanstalkd's keys in its order, then ours (--extended-stats)."""
     lines = ["---", *_job_counts(queue)]
-    lines += [f"cmd-{op}: {queue.op_counts[op]}" for op in OP_STAT_ORDER]
+    counts = queue.counted_ops()
+    lines += [f"cmd-{op}: {counts[op]}" for op in OP_STAT_ORDER]
     lines += _server_lines(queue)
     if queue.extra_stats is not None:
         lines += [f"{key}: {value}" for key, value in queue.extra_stats().items()]

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
+from typing import Final
 
-NEVER = 1 << 62
+from broker.model import heappop, heappush
+
+NEVER: Final = 4611686018427387904  # 1 << 62 (a literal: mypyc compiles Final literals in)
 
 # Entry kinds; the queue decides what each means.
-DELAYED_READY = 0
-TTR_EXPIRY = 1
-CLIENT_TICK = 2
-TUBE_UNPAUSE = 3
+DELAYED_READY: Final = 0
+TTR_EXPIRY: Final = 1
+CLIENT_TICK: Final = 2
+TUBE_UNPAUSE: Final = 3
 
 
 class TimerHeap:
@@ -40,7 +43,7 @@ class TimerHeap:
 
     def push(self, when: int, kind: int, owner: object) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (when, self._seq, kind, owner))
+        heappush(self._heap, (when, self._seq, kind, owner))
         self.earliest_pushed = min(self.earliest_pushed, when)
 
     def next_deadline(self) -> int | None:
@@ -51,7 +54,7 @@ class TimerHeap:
             when, _, kind, owner = heap[0]
             if is_current(when, kind, owner):
                 return when
-            heapq.heappop(heap)
+            heappop(heap)
         return None
 
     def pop_due(self, now: int) -> Iterator[tuple[int, int, object]]:
@@ -59,7 +62,7 @@ class TimerHeap:
         heap = self._heap
         is_current = self._is_current
         while heap and heap[0][0] <= now:
-            when, _, kind, owner = heapq.heappop(heap)
+            when, _, kind, owner = heappop(heap)
             if is_current(when, kind, owner):
                 yield when, kind, owner
 

@@ -9,7 +9,7 @@ How stages hand off work through beanstalkd (each arrow is a tube):
     events --[stage 1: orders]--> orders --[stage 2: notify]--> notifications --> (mail workers)
                |                                                                  any beanstalkd
                +--> events.rejected (bad JSON, kept for a human)                  client
-                                                                 
+
 Stage 1 (``orders``) reads the click/order events, keeps the purchases, prices them
 (VAT by country, net amount) and puts one job per order into ``orders``; big orders
 (>= 500 EUR) get an urgent priority so the next stage's workers take them first. Jobs
@@ -47,7 +47,6 @@ NORMAL_PRIORITY = 2**31
 def orders_stage(df, orders_tube: str, rejected_tube: str):
     """Stage 1's transform: source rows -> rows for the writer (body, tube, priority, ttr)."""
     from pyspark.sql import functions as F
-
     from streaming_etl import parse_events
 
     parsed = parse_events(df)
@@ -198,9 +197,8 @@ def _watch(q1, stage, q2, timeout):
 
 
 def print_summary(summary: dict) -> None:
-    from rich.table import Table
-
     from _common import console
+    from rich.table import Table
 
     t = Table(title=f"tubes on {summary['hosts']} after the run ({summary['seconds']}s)", title_justify="left")
     for col in ("tube", "jobs read", "jobs put", "ready now", "reserved", "buried"):

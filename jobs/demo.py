@@ -38,7 +38,7 @@ def start_broker(kind: str):
             return broker_process().start(timeout=20), "spark-beanstalk broker"
         except Exception as exc:  # noqa: BLE001
             if kind == "ours":
-                raise SystemExit(f"could not start the spark-beanstalk broker: {exc}")
+                raise SystemExit(f"could not start the spark-beanstalk broker: {exc}") from exc
             say(f"note: the spark-beanstalk broker did not start ({exc}); using beanstalkd instead")
     return beanstalkd_process().start(), "beanstalkd"
 

@@ -81,7 +81,7 @@ class TubeProgress:
         except Exception:
             return 0
 
-    def __enter__(self) -> "TubeProgress":
+    def __enter__(self) -> TubeProgress:
         if not self.enabled:
             return self
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -153,9 +153,8 @@ def run(spark, path: str, hosts: str = "127.0.0.1:11300", tube: str = "default",
 
 
 def print_summary(summary: dict) -> None:
-    from rich.table import Table
-
     from _common import console
+    from rich.table import Table
 
     table = Table(title=f"enqueued {summary['input']}", title_justify="left", show_header=False)
     table.add_column(style="cyan")

@@ -30,11 +30,11 @@ import argparse
 import json
 import os
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "data", "events.jsonl")
-START = datetime(2026, 3, 14, 9, 0, 0, tzinfo=timezone.utc)
+START = datetime(2026, 3, 14, 9, 0, 0, tzinfo=UTC)
 SPAN_SECONDS = 2 * 3600
 EVENT_TYPES = ("page_view", "add_to_cart", "remove_from_cart", "purchase", "refund")
 EVENT_WEIGHTS = (62, 18, 4, 14, 2)
@@ -149,7 +149,7 @@ def generate(rows: int = 3000, seed: int = 42) -> tuple[list[str], dict]:
     bad = malformed_lines(rng, events)
     # Scatter the bad lines through the file, not at its end.
     positions = sorted(rng.sample(range(1, len(lines)), len(bad)), reverse=True)
-    for pos, (_, line) in zip(positions, bad):
+    for pos, (_, line) in zip(positions, bad, strict=True):
         lines.insert(pos, line)
     kinds: dict[str, int] = {}
     for kind, _ in bad:

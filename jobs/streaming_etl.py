@@ -254,10 +254,9 @@ def _watch_both(query, ingest, wquery, timeout: float | None):
 
 def summarize(spark, summary: dict, top: int = 8) -> None:
     """Print what the output holds: events by type, revenue, windows, dead letters."""
+    from _common import console as make_console
     from pyspark.sql import functions as F
     from rich.table import Table
-
-    from _common import console as make_console
 
     console = make_console()
     events = spark.read.schema(EVENTS_DDL).parquet(summary["events_dir"])

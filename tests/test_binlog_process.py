@@ -6,12 +6,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
+from test_binlog_helpers import job_snapshot, run_ours_expect_exit, segment_files, start_ours
 
 from broker import binlog_format as fmt
 from spark_beanstalk.client import Connection
-from test_binlog_helpers import job_snapshot, run_ours_expect_exit, segment_files, start_ours
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -55,13 +56,13 @@ def test_restart_keeps_jobs(tmp_path, flags, stop):
             for role in ("ready", "delayed", "buried", "released", "reserved"):
                 a, b = after[ids[role]], before[ids[role]]
                 want_state = "ready" if role == "reserved" else b["state"]
-                assert (a["state"], a["tube"], a["pri"], a["body"], a["ttr"], a["releases"], a["buries"], a["kicks"]) == \
-                       (want_state, b["tube"], b["pri"], b["body"], b["ttr"], b["releases"], b["buries"], b["kicks"]), role
+                same = ("tube", "pri", "body", "ttr", "releases", "buries", "kicks")
+                assert (a["state"], *(a[k] for k in same)) == (want_state, *(b[k] for k in same)), role
             assert 490 <= after[ids["delayed"]]["time-left"] <= 500
             assert conn.put(b"new") > max(ids.values())
     finally:
         proc.kill()
-    log = open(err).read()
+    log = Path(err).read_text()
     assert "binlog: recovered 5 jobs (1 buried)" in log
 
 
@@ -69,11 +70,11 @@ def test_sigterm_fsyncs_and_trims(tmp_path):
     d = str(tmp_path / "bl")
     proc = start_ours(d, "-F")
     with Connection(proc.host, proc.port) as conn:
-        for i in range(20):
+        for _i in range(20):
             conn.put(b"x" * 100)
     assert proc.stop() == 0
     files = segment_files(d)
-    data = open(os.path.join(d, files[-1]), "rb").read()
+    data = Path(d, files[-1]).read_bytes()
     assert not data.endswith(b"\0" * 64), "the current segment is trimmed to its data at shutdown"
     assert data.count(b"x" * 100) == 20
 
@@ -126,7 +127,7 @@ def test_torn_tail_warning_names_file_and_offset(tmp_path):
         b = conn.put(b"second" * 20)
     proc.kill()
     path = os.path.join(d, segment_files(d)[-1])
-    data = open(path, "rb").read().rstrip(b"\0")
+    data = Path(path).read_bytes().rstrip(b"\0")
     with open(path, "r+b") as fh:
         fh.truncate(len(data) - 30)
     proc = start_ours(d, stderr_path=err)
@@ -136,7 +137,7 @@ def test_torn_tail_warning_names_file_and_offset(tmp_path):
             assert snap[a] is not None and snap[b] is None
     finally:
         proc.stop()
-    log = open(err).read()
+    log = Path(err).read_text()
     assert "torn record at the end of the log dropped" in log and path in log and "offset" in log
 
 

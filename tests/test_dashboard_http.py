@@ -24,7 +24,8 @@ from spark_beanstalk.dashboard.guard import Guard
 
 async def _with_app(server: Any, guard: Guard, walk: Any) -> Any:
     app = create_app([tcp_endpoint(server.host, server.port, None)], guard)
-    async with TestServer(app, host="127.0.0.1") as ts, ClientSession(str(ts.make_url("")), cookie_jar=CookieJar(unsafe=True)) as http:
+    async with TestServer(app, host="127.0.0.1") as ts, \
+            ClientSession(str(ts.make_url("")), cookie_jar=CookieJar(unsafe=True)) as http:
         return await walk(http)
 
 

@@ -8,6 +8,7 @@ half-closed connection must be answered and closed by the server.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import struct
@@ -174,7 +175,7 @@ def read_to_eof(sock: socket.socket, timeout: float) -> tuple[bytes, bool]:
         sock.settimeout(remaining)
         try:
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             return out, False
         except ConnectionResetError:
             return out, True
@@ -236,17 +237,15 @@ def test_fuzzed_traffic_leaves_broker_healthy(live_broker, script, endings, spli
                 except OSError:  # the server may legitimately have closed it (quit)
                     alive[index] = False
                     break
-        for s, ending in zip(conns, endings):
+        for s, ending in zip(conns, endings, strict=True):
             if ending == "reset":
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 s.close()
             elif ending == "close":
                 s.close()
             else:
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
                 data, eof = read_to_eof(s, 5.0)
                 assert eof, f"server did not close a half-closed connection; got {data[-200:]!r}"
                 parse_replies(data)
@@ -269,10 +268,8 @@ def test_random_binary_then_valid_command(live_broker, garbage):
                 s.sendall(g)
             except OSError:
                 break
-        try:
+        with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
         data, eof = read_to_eof(s, 5.0)
         assert eof
         parse_replies(data)

@@ -17,6 +17,7 @@ the conf/broker.toml keys, and that refusals are logged with the client's addres
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import functools
@@ -170,7 +171,7 @@ class Raw:
                 chunk = self.sock.recv(1 << 20)
                 if not chunk:
                     return True
-        except socket.timeout:
+        except TimeoutError:
             return False
         except (ConnectionResetError, BrokenPipeError, ssl.SSLError):
             return True
@@ -178,10 +179,8 @@ class Raw:
             return exc.errno in (errno.ECONNRESET, errno.EPIPE)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 class Clients:
@@ -292,14 +291,15 @@ def has_flag(flag: str) -> bool:
 def certs(tmp_path_factory):
     """A CA, a server certificate (localhost, 127.0.0.1), a client certificate from the CA, and a
     client certificate from an unrelated CA; all PEM files."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    import ipaddress
 
     d = tmp_path_factory.mktemp("tls")
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
 
     def key():
         return ec.generate_private_key(ec.SECP256R1())
@@ -415,10 +415,8 @@ def test_max_connections(start_broker, clients):
                "a fourth connection is accepted")
     refused = c.open()
     refused_port = refused.local_port
-    try:
+    with contextlib.suppress(OSError):
         refused.send(b"list-tube-used\r\n")
-    except OSError:
-        pass
     assert refused.closed_by_server(5), "a connection beyond --max-connections must be closed at once"
     assert refused.buf == b"", f"nothing may be sent to a refused connection, got {refused.buf!r}"
     # existing connections keep working: a full put/reserve/delete on one of them
@@ -890,7 +888,7 @@ def test_tls_client_certificate_required(start_broker, clients, certs):
             return True  # TLS 1.2: the handshake fails
         try:  # TLS 1.3: the client's handshake completes; the server's alert arrives on first read
             reply = raw.cmd("list-tube-used")
-            return False if reply.startswith(b"USING") else True
+            return not reply.startswith(b"USING")
         except (ssl.SSLError, EOFError, ConnectionResetError, BrokenPipeError):
             return True
         finally:
@@ -1052,7 +1050,7 @@ metrics = "127.0.0.1:{mport}"
     # flags override the file
     proc2 = start_broker("--config", str(cfg), "--max-jobs", "3", "--metrics", f"127.0.0.1:{free_port()}")
     raw2 = clients(proc2, token="cfg").open()
-    for i in range(3):
+    for _i in range(3):
         raw2.put(b"x")
 
 

@@ -423,7 +423,7 @@ def tls_files(tmp_path_factory):
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     d = tmp_path_factory.mktemp("ops-tls")
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
 
     def name(cn):
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
@@ -583,7 +583,7 @@ def test_interrupted_move_loses_and_duplicates_nothing(server, conn, conn_factor
     assert proc.returncode == 0, stderr
     assert "stopped early: moved" in stdout, stdout
     left, moved = _counts(conn, "big")["ready"], _counts(conn, "moved")["ready"]
-    assert 0 < left and 0 < moved and left + moved == total
+    assert left > 0 and moved > 0 and left + moved == total
     seen: list[bytes] = []
     reader = conn_factory(server)
     reader.watch_only(["big", "moved"])

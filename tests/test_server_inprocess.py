@@ -25,10 +25,12 @@ class FakeTransport:
         self.closed = False
         self.aborted = False
         self.buffered = 0  # what get_write_buffer_size reports (the client's unread replies)
+        self.writes = 0
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "write after close"
         self.out += data
+        self.writes += 1
 
     def take(self) -> bytes:
         data = bytes(self.out)
@@ -97,6 +99,21 @@ def test_put_reserve_delete_bytes_in_bytes_out() -> None:
     run(body)
 
 
+def test_a_64_deep_packet_is_answered_with_one_write() -> None:
+    """A client pipelining 64 commands gets their replies in one transport.write (one system call)."""
+    async def body() -> None:
+        conn, t = connect(make_server())
+        conn.data_received(b"put 0 0 60 1\r\nx\r\n" * 40 + b"reserve-with-timeout 0\r\n" * 20 + b"delete 1\r\n" * 4)
+        assert t.writes == 1
+        replies = t.take()
+        assert replies.count(b"INSERTED") == 40 and replies.count(b"RESERVED") == 20
+        assert replies.endswith(b"RESERVED 20 1\r\nx\r\nDELETED\r\n" + b"NOT_FOUND\r\n" * 3)
+        conn.data_received(b"stats\r\n")
+        stats = t.take()
+        assert b"cmd-put: 40\n" in stats and b"cmd-reserve-with-timeout: 20\n" in stats and b"cmd-delete: 4\n" in stats
+    run(body)
+
+
 SCRIPT = (b"use jobs\r\nwatch jobs\r\nput 1 0 60 3\r\nabc\r\nput 0 0 60 0\r\n\r\nreserve\r\n"
           b"release 2 9 0\r\nreserve-with-timeout 0\r\nbury 2 3\r\nput 0 0 60 2\r\nxyz\r\n"
           b"stats-job 1\r\nkick 5\r\npeek-ready\r\ndelete 1\r\nlist-tube-used\r\nbogus\r\nquit\r\n")
@@ -141,13 +158,13 @@ def test_pause_writing_stops_processing_and_resume_writing_catches_up() -> None:
         conn, t = connect(make_server())
         conn.pause_writing()
         assert not t.reading
-        conn.data_received(b"list-tube-used\r\n" * 200)
+        conn.data_received(b"list-tube-used\r\n" * 600)
         before = t.take().count(b"USING default\r\n")
-        assert 0 < before < 200  # stopped at the first periodic flush while the client is not reading
+        assert 0 < before < 600  # stopped at the first periodic flush while the client is not reading
         conn.resume_writing()
         assert t.reading
         await settle()
-        assert before + t.take().count(b"USING default\r\n") == 200
+        assert before + t.take().count(b"USING default\r\n") == 600
     run(body)
 
 

@@ -229,7 +229,8 @@ CASES = [
          on_tube(),
          send("c1", put(b"ready") + put(b"delayed", delay=100) + put(b"buried") + put(b"reserved"), n=4),
          send("c1", b"reserve-job {j3}\r\nbury {j3} 0\r\nreserve-job {j4}\r\n", n=3),
-         send("c1", b"kick-job {j1}\r\nkick-job {j2}\r\nkick-job {j3}\r\nkick-job {j4}\r\nkick-job 3000000999\r\n", n=5),
+         send("c1", b"kick-job {j1}\r\nkick-job {j2}\r\nkick-job {j3}\r\nkick-job {j4}\r\n"
+                    b"kick-job 3000000999\r\n", n=5),
          send("c1", b"stats-job {j2}\r\nstats-job {j3}\r\n", n=2),
          send("c1", b"kick-job {j2}\r\n")),
     case("kick_job_ignores_used_tube",

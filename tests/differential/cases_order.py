@@ -86,7 +86,8 @@ CASES = [
          send("c1", b"put 0 0 1 70000\r\n" + b"z" * 70000 + b"\r\n" + b"list-tube-used\r\n", n=2),
          send("c1", b"put 0 0 1 2\r\nabcd\r\nlist-tube-used\r\n", n=3),
          send("c1", b"put 0 0 1\r\n"),
-         send("c1", b"reserve-with-timeout 0\r\nrelease 1 0 0\r\nreserve-with-timeout 0\r\nbury 1 0\r\nkick 1\r\n", n=5),
+         send("c1", b"reserve-with-timeout 0\r\nrelease 1 0 0\r\nreserve-with-timeout 0\r\n"
+                    b"bury 1 0\r\nkick 1\r\n", n=5),
          send("c1", b"stats-tube default\r\n"),
          fresh=True),
     case("halfclose_with_blocked_reserve_and_queued_command",

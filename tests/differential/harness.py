@@ -36,15 +36,16 @@ can share a server), ``{jN}`` is the N-th distinct job id this case has seen in 
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 import select
 import signal as _signal
 import socket
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
 
 READ_TIMEOUT = 2.0  # per read, while expecting replies
 SILENCE_WINDOW = 0.3  # how long "no reply" is awaited
@@ -202,10 +203,8 @@ class Client:
         self.eof = False
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
     def _recv(self, deadline: float) -> None:
         if self.eof:
@@ -315,10 +314,8 @@ def _normalise_yaml(body: bytes, book: IdBook, rename_ids: bool, exact_times=Fal
                     changed = True
                 elif value.isdigit():
                     book.see(value)
-            elif is_job and key in volatile_job_keys:
-                line = key + b": <" + key + b">"
-                changed = True
-            elif (is_server and (key in VOLATILE_STATS_KEYS or key in polled)) or key in deliberate:
+            elif (is_job and key in volatile_job_keys
+                  or (is_server and (key in VOLATILE_STATS_KEYS or key in polled)) or key in deliberate):
                 line = key + b": <" + key + b">"
                 changed = True
         out.append(line)
@@ -392,7 +389,8 @@ def run_case(c: Case, server, rename_ids: bool) -> Transcript:
         out = []
         for _ in range(n):
             try:
-                out.append(normalise_reply(cl.read_reply(timeout), book, rename_ids, c.exact_times, c.polled_keys + tuple('*' + k for k in c.deliberate)))
+                ignored = c.polled_keys + tuple('*' + k for k in c.deliberate)
+                out.append(normalise_reply(cl.read_reply(timeout), book, rename_ids, c.exact_times, ignored))
             except _Timeout:
                 partial = bytes(cl.buf)
                 cl.buf.clear()
@@ -462,7 +460,8 @@ def run_case(c: Case, server, rename_ids: bool) -> Transcript:
                 got = b""
                 try:
                     while True:
-                        got += normalise_reply(cl.read_reply(READ_TIMEOUT), book, rename_ids, c.exact_times, c.polled_keys + tuple('*' + k for k in c.deliberate))
+                        ignored = c.polled_keys + tuple('*' + k for k in c.deliberate)
+                        got += normalise_reply(cl.read_reply(READ_TIMEOUT), book, rename_ids, c.exact_times, ignored)
                 except _Eof:
                     got += bytes(cl.buf) + b"<CONNECTION CLOSED BY SERVER>"
                     cl.buf.clear()
@@ -487,7 +486,8 @@ def run_case(c: Case, server, rename_ids: bool) -> Transcript:
                 if met:
                     tr.records.append(Record(i, what, b"<condition met>"))
                 else:
-                    tr.records.append(Record(i, what, b"<condition NOT met; last reply: " + last + b">", "condition not met"))
+                    shown = b"<condition NOT met; last reply: " + last + b">"
+                    tr.records.append(Record(i, what, shown, "condition not met"))
             else:  # pragma: no cover - a typo in a case
                 raise ValueError(f"unknown step kind {st.kind!r}")
         # Anything left unread at the end is part of the transcript too.

@@ -22,8 +22,16 @@ from hypothesis import strategies as st
 
 from spark_beanstalk.embedded import start_server
 
-from . import (cases_basic, cases_edge, cases_errors, cases_framing, cases_lifecycle, cases_multi, cases_order,
-               cases_stats)
+from . import (
+    cases_basic,
+    cases_edge,
+    cases_errors,
+    cases_framing,
+    cases_lifecycle,
+    cases_multi,
+    cases_order,
+    cases_stats,
+)
 from .harness import case as _case
 from .harness import diff_report, run_pair, transcript_text
 from .harness import send as _send

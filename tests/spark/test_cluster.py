@@ -31,7 +31,8 @@ PACKAGES = ("spark_beanstalk", "pyspark_beanstalk", "beanstalk_rules")
 
 
 def build_zip(out: str) -> str:
-    """`python -m zipfile -c spark_beanstalk.zip spark_beanstalk pyspark_beanstalk beanstalk_rules`, as the README says."""
+    """As the README says:
+    `python -m zipfile -c spark_beanstalk.zip spark_beanstalk pyspark_beanstalk beanstalk_rules`."""
     proc = subprocess.run([sys.executable, "-m", "zipfile", "-c", out, *PACKAGES], check=False,
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -159,10 +159,10 @@ def test_exactly_once_across_tubes_and_brokers(spark, server, server_factory, co
     conns = [conn_factory(p) for p in procs]
     tubes = ["alpha", "beta", "gamma"]
     expected = []
-    for proc, conn in zip(procs, conns):
+    for proc, conn in zip(procs, conns, strict=True):
         for tube in tubes:
             bodies = [f"{proc.port}/{tube}/{i}".encode() for i in range(60)]
-            for job_id, body in zip(put_jobs(conn, tube, bodies), bodies):
+            for job_id, body in zip(put_jobs(conn, tube, bodies), bodies, strict=True):
                 expected.append((proc.address, tube, job_id, body))
         put_jobs(conn, "unwatched", [b"stay"] * 5)
     # A poison job: already reserved twice; maxReserves=2 buries it on the 3rd reservation.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,8 @@ def test_error_cases_name_the_row_and_reason(spark, server, tmp_path):
 
     put = beanstalk_put.options(hosts=server.address, tube="err")
     cases = [
-        (Row(body="x" * 70000, tube=None, priority=None), "JOB_TOO_BIG: body is 70000 bytes, the server's max-job-size is 65535"),
+        (Row(body="x" * 70000, tube=None, priority=None),
+         "JOB_TOO_BIG: body is 70000 bytes, the server's max-job-size is 65535"),
         (Row(body="b", tube="no spaces", priority=None), "bad tube name 'no spaces'"),
         (Row(body="c", tube=None, priority=2**32), "priority 4294967296 out of range 0..4294967295"),
         (Row(body="d", tube=None, priority=-1), "priority -1 out of range"),
@@ -143,9 +145,9 @@ def test_error_cases_name_the_row_and_reason(spark, server, tmp_path):
     # the same rows with a dead-letter path: the good rows are put, the bad ones kept aside
     s = put.options(deadLetterPath=str(tmp_path / "dead")).write(df)
     assert (s.put, s.dead_lettered) == (3, 4)
-    recs = [json.loads(line) for f in s.dead_letter_files for line in open(f)]
+    recs = [json.loads(line) for f in s.dead_letter_files for line in Path(f).read_text().splitlines()]
     assert [r["row"] for r in recs] == [3, 4, 5, 6]
-    assert all(reason.split(":")[0] in r["reason"] for r, (_, reason) in zip(recs, cases))
+    assert all(reason.split(":")[0] in r["reason"] for r, (_, reason) in zip(recs, cases, strict=True))
     assert sorted(_bodies(server, "err")) == [b"good-0", b"good-1", b"good-2"]
     # validate=batch: a bad row in one partition stops the good partitions too (checked before any put)
     two = spark.createDataFrame(good + [cases[0][0]], schema).repartition(2)

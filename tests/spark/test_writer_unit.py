@@ -37,7 +37,8 @@ SCHEMA = StructType([StructField("body", StringType()), StructField("tube", Stri
 def _put(rows: dict, hosts: str, **opts):
     o = WriterOptions.parse({"hosts": hosts, **opts})
     spec = ColumnSpec.from_schema(SCHEMA, o)
-    batch = pa.RecordBatch.from_pydict({name: rows.get(name, [None] * len(rows["body"])) for name in SCHEMA.fieldNames()},
+    columns = {name: rows.get(name, [None] * len(rows["body"])) for name in SCHEMA.fieldNames()}
+    batch = pa.RecordBatch.from_pydict(columns,
                                        schema=pa.schema([("body", pa.string()), ("tube", pa.string()),
                                                          ("priority", pa.int64()), ("k", pa.string())]))
     return put_partition(_arrow_chunks([batch], spec), spec, o, {"partition": 0})
@@ -102,7 +103,8 @@ def test_dead_letter_keeps_bad_rows_and_puts_the_rest(server, tmp_path):
     assert (s["put"], s["dead_lettered"]) == (1, 2)
     assert _bodies(server, "t") == [b"ok"]
     recs = [json.loads(line) for f in (tmp_path / "dl").iterdir() for line in f.read_text().splitlines()]
-    assert sorted((r["row"], r["reason"].split(":")[0]) for r in recs) == [(1, "JOB_TOO_BIG"), (2, "bad tube name '-bad'")]
+    reasons = sorted((r["row"], r["reason"].split(":")[0]) for r in recs)
+    assert reasons == [(1, "JOB_TOO_BIG"), (2, "bad tube name '-bad'")]
 
 
 def test_hash_spreads_by_key_and_fails_over(server_factory, server):
@@ -157,7 +159,7 @@ class _DroppingServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(4)
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -228,7 +230,7 @@ class _RefusingServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:

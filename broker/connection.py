@@ -22,7 +22,7 @@ from broker.state import ServerState
 log = logging.getLogger("broker")
 
 # Commands that map straight onto a Queue method, by argument shape.
-_BY_ID: dict[str, Callable[[Queue, Client, int], bytes]] = {
+_BY_ID: Final[dict[str, Callable[[Queue, Client, int], bytes]]] = {
     "reserve-job": queue_verbs.reserve_job,
     "delete": Queue.delete,
     "touch": queue_verbs.touch,
@@ -30,13 +30,13 @@ _BY_ID: dict[str, Callable[[Queue, Client, int], bytes]] = {
     "peek": queue_verbs.peek,
     "stats-job": stats.stats_job,
 }
-_BY_TUBE: dict[str, Callable[[Queue, Client, str], bytes]] = {
+_BY_TUBE: Final[dict[str, Callable[[Queue, Client, str], bytes]]] = {
     "use": queue_verbs.use,
     "watch": queue_verbs.watch,
     "ignore": queue_verbs.ignore,
     "stats-tube": stats.stats_tube,
 }
-_BARE: dict[str, Callable[[Queue, Client], bytes]] = {
+_BARE: Final[dict[str, Callable[[Queue, Client], bytes]]] = {
     "peek-ready": queue_verbs.peek_ready,
     "peek-delayed": queue_verbs.peek_delayed,
     "peek-buried": queue_verbs.peek_buried,
@@ -47,7 +47,7 @@ _BARE: dict[str, Callable[[Queue, Client], bytes]] = {
 }
 # The stats counter (cmd-*) each command bumps; an Error names its own, a put whose header
 # was already counted ("put-header") is not counted again. Counted in _execute only.
-_COUNTED_AS: dict[str, str] = {name: name for name in (*_BY_ID, *_BY_TUBE, *_BARE)}
+_COUNTED_AS: Final[dict[str, str]] = {name: name for name in (*_BY_ID, *_BY_TUBE, *_BARE)}
 _COUNTED_AS.update({"put-header": "put", "too-big": "put", "reserve": "reserve",
                     "reserve-with-timeout": "reserve-with-timeout", "release": "release", "bury": "bury",
                     "kick": "kick", "pause-tube": "pause-tube"})

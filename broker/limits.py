@@ -12,19 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Final
 
 from broker.logs import event
 
 log = logging.getLogger("broker.limits")
 
-DEFAULT_MAX_OUTPUT_BYTES = 16 << 20  # unsent replies per connection before it is closed
-OUTPUT_HIGH_WATER = 1 << 20  # stop reading a connection whose replies are not being read
-DEFAULT_SLOW_READER_TIMEOUT = 10.0  # seconds a connection may leave replies unread past the high water
+DEFAULT_MAX_OUTPUT_BYTES: Final = 16 << 20  # unsent replies per connection before it is closed
+OUTPUT_HIGH_WATER: Final = 1 << 20  # stop reading a connection whose replies are not being read
+DEFAULT_SLOW_READER_TIMEOUT: Final = 10.0  # seconds a connection may leave replies unread past the high water
 
 # Refusal reasons, in the order their stats keys are printed.
-REASONS = ("connections", "jobs", "job_bytes", "tubes", "reserves", "slow_reader", "idle", "auth",
+REASONS: Final = ("connections", "jobs", "job_bytes", "tubes", "reserves", "slow_reader", "idle", "auth",
            "accept_errors")
-_STATS_KEYS = {
+_STATS_KEYS: Final = {
     "connections": "limit-refused-connections",
     "jobs": "limit-refused-jobs",
     "job_bytes": "limit-refused-job-bytes",

@@ -28,7 +28,7 @@ DELAYED: Final = 1
 RESERVED: Final = 2
 BURIED: Final = 3
 INVALID: Final = 4
-STATE_NAMES = ("ready", "delayed", "reserved", "buried", "invalid")
+STATE_NAMES: Final = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
 T = TypeVar("T")

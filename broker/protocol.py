@@ -37,7 +37,7 @@ ULONG_MAX: Final = 18446744073709551615
 LONG_MIN: Final = -9223372036854775808  # -(2**63)
 LONG_MAX: Final = 9223372036854775807
 
-C_SPACE = b" \t\n\v\f\r"
+C_SPACE: Final = b" \t\n\v\f\r"
 
 
 # -- command records -----------------------------------------------------------------------
@@ -127,7 +127,7 @@ Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
 # decoders of one server (see ServerState); bounded: cleared when full.
 LineCache = dict[bytes, LineCommand]
 LINE_CACHE_SIZE: Final = 4096
-TOO_BIG = Bare("too-big")
+TOO_BIG: Final = Bare("too-big")
 # Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
 # NamedTuple constructor is a Python-level function, several times slower than this.
 # Final: compiled, a C static rather than a look-up in the module's dict.
@@ -163,7 +163,7 @@ def yaml_ok(text: str) -> bytes:
     return b"OK %d\r\n%s\r\n" % (len(data), data)
 
 # Command words in the order beanstalkd's which_cmd() tests them (prefix match).
-_PREFIXES: tuple[tuple[bytes, str], ...] = (
+_PREFIXES: Final[tuple[tuple[bytes, str], ...]] = (
     (b"put ", "put"),
     (b"peek ", "peek"),
     (b"peek-ready", "peek-ready"),
@@ -191,12 +191,12 @@ _PREFIXES: tuple[tuple[bytes, str], ...] = (
     (b"pause-tube", "pause-tube"),
 )
 # Fast path: the first word of a well-formed line -> command name.
-_EXACT_WORDS = {prefix.strip(): name for prefix, name in _PREFIXES}
+_EXACT_WORDS: Final = {prefix.strip(): name for prefix, name in _PREFIXES}
 # Commands whose line must be exactly the word (no arguments).
-_BARE = frozenset({"peek-ready", "peek-delayed", "peek-buried", "reserve", "stats",
+_BARE: Final = frozenset({"peek-ready", "peek-delayed", "peek-buried", "reserve", "stats",
                    "list-tubes-watched", "list-tube-used", "list-tubes"})
-_ID_ONLY = frozenset({"peek", "reserve-job", "delete", "kick-job", "touch", "stats-job"})
-_NAME_ONLY = frozenset({"stats-tube", "use", "watch", "ignore"})
+_ID_ONLY: Final = frozenset({"peek", "reserve-job", "delete", "kick-job", "touch", "stats-job"})
+_NAME_ONLY: Final = frozenset({"stats-tube", "use", "watch", "ignore"})
 
 
 class ParseError(Exception):
@@ -328,7 +328,7 @@ def _fast_parse(parts: list[bytes], name: str, max_job_size: int) -> LineCommand
     return None
 
 
-_UNCACHED = _ID_ONLY | {"release"}
+_UNCACHED: Final = _ID_ONLY | {"release"}
 
 
 def parse_line(line: bytes, max_job_size: int, cache: LineCache | None = None) -> LineCommand:

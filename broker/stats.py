@@ -10,7 +10,7 @@ import platform
 import resource
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from broker import protocol as p
 from broker.model import DELAYED, INVALID, NS, RESERVED, STATE_NAMES
@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from broker.model import Client
     from broker.queue import Queue
 
-VERSION = "1.12"
+VERSION: Final = "1.12"
 # The cmd-* keys of `stats`, in beanstalkd's order.
-OP_STAT_ORDER = ("put", "peek", "peek-ready", "peek-delayed", "peek-buried", "reserve",
+OP_STAT_ORDER: Final = ("put", "peek", "peek-ready", "peek-delayed", "peek-buried", "reserve",
                  "reserve-with-timeout", "delete", "release", "use", "watch", "ignore", "bury",
                  "kick", "touch", "stats", "stats-job", "stats-tube", "list-tubes", "list-tube-used",
                  "list-tubes-watched", "pause-tube")

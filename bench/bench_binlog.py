@@ -77,7 +77,8 @@ def put_throughput(opts) -> list[dict]:
                 for kind in order:
                     tmp = tempfile.mkdtemp(prefix=f"bench-binlog-{kind}-", dir=opts.tmp)
                     if kind == "ours-no-b":
-                        srv = broker_process(stderr_path=str(OUT / "logs" / "binlog-ours-no-b.stderr.log")).start(timeout=60)
+                        no_b_log = str(OUT / "logs" / "binlog-ours-no-b.stderr.log")
+                        srv = broker_process(stderr_path=no_b_log).start(timeout=60)
                     else:
                         srv = start(kind, tmp, flags, log=str(OUT / "logs" / f"binlog-{kind}.stderr.log"))
                     try:
@@ -132,11 +133,12 @@ def recovery(opts) -> dict:
             report = ""
             m = None
             if kind == "ours":
-                text = open(log).read()
+                text = Path(log).read_text()
                 m = re.findall(r"binlog: recovered .*", text)
                 report = m[-1] if m else ""
             result[kind] = {"fill_s": round(fill_s, 2), "fill_puts_per_s": round(fill.get("ops_per_s", 0)),
-                            "start_to_listening_s": round(listening_s, 2), "start_to_first_reply_s": round(ready_s, 2), "peak_rss_bytes": rss,
+                            "start_to_listening_s": round(listening_s, 2),
+                            "start_to_first_reply_s": round(ready_s, 2), "peak_rss_bytes": rss,
                             "jobs_after_restart": ready_jobs, "log_bytes": log_bytes, "report": report}
             print(f"  recovery {kind:10} {ready_jobs:,} jobs: first reply after {ready_s:.2f}s, peak RSS "
                   f"{(rss or 0) / 2**20:.0f} MiB, log {log_bytes / 2**20:.0f} MiB  {report}", flush=True)
@@ -156,7 +158,7 @@ def churn(opts) -> dict:
             peak = [0]
             stop = threading.Event()
 
-            def sample():
+            def sample(stop: threading.Event = stop, peak: list[int] = peak, d: str = d) -> None:
                 while not stop.wait(0.25):
                     peak[0] = max(peak[0], dir_bytes(d))
 
@@ -185,7 +187,8 @@ def churn(opts) -> dict:
 def markdown(res: dict) -> str:
     out = []
     if "put" in res:
-        out += ["| fsync mode | conns x depth | beanstalkd puts/s | ours puts/s | ours / beanstalkd | ours without -b | "
+        out += ["| fsync mode | conns x depth | beanstalkd puts/s | ours puts/s | ours / beanstalkd "
+                "| ours without -b | "
                 "server CPU us/put (beanstalkd / ours / ours without -b) |",
                 "|---|---|---:|---:|---:|---:|---|"]
         for r in res["put"]:
@@ -201,7 +204,8 @@ def markdown(res: dict) -> str:
         for kind in ("ours", "beanstalkd"):
             if kind in r:
                 x = r[kind]
-                out.append(f"| {kind} | {x['start_to_first_reply_s']:.2f} s | {(x['peak_rss_bytes'] or 0) / 2**20:.0f} MiB | "
+                rss_mib = (x['peak_rss_bytes'] or 0) / 2**20
+                out.append(f"| {kind} | {x['start_to_first_reply_s']:.2f} s | {rss_mib:.0f} MiB | "
                            f"{x['log_bytes'] / 2**20:.0f} MiB |")
         if "ours" in r:
             out.append(f"\nours: `{r['ours']['report']}`")

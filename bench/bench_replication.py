@@ -144,7 +144,8 @@ def markdown(res: dict) -> str:
     if "failover" in res:
         f = res["failover"]
         lines.append("")
-        lines.append(f"failover (kill -> first acknowledged put, lease TTL {f['lease_ttl']} s, {len(f['seconds'])} rounds): "
+        lines.append(f"failover (kill -> first acknowledged put, lease TTL {f['lease_ttl']} s, "
+                     f"{len(f['seconds'])} rounds): "
                      f"min {f['min']:.2f} s, median {f['median']:.2f} s, max {f['max']:.2f} s; "
                      + ", ".join(f"{t:.2f}" for t in f["seconds"]))
     return "\n".join(lines)

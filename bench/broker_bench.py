@@ -24,6 +24,7 @@ Prints a markdown table and writes bench/out/broker.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -46,7 +47,7 @@ for _path in (str(ROOT), str(BENCH)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-import servers
+import servers  # noqa: E402 (found through the sys.path entries above)
 
 SERVER_CPU = 0  # the core the server gets when pinned
 CLIENT_CPU = 1  # the core the load generator gets when pinned
@@ -87,10 +88,8 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
     except FileNotFoundError:
         tids = [pid]
     for tid in tids:
-        try:
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(tid, cpus)
-        except OSError:
-            pass
 
 
 def git_info() -> dict:
@@ -325,7 +324,8 @@ def profile_ours(spec: str, opts) -> int:
         set_affinity(srv.pid, {SERVER_CPU} if pinned else all_cpus())
         base = ["-h", srv.host, "-p", str(srv.port), "-P", str(srv.pid), "-s", str(opts.body), "-T", "bench"]
         if workload == "drain":
-            run_loadgen(base + ["-w", "put", "-c", "1", "-d", "64", "-n", str(opts.drain_jobs)], None, opts.drain_timeout)
+            fill = ["-w", "put", "-c", "1", "-d", "64", "-n", str(opts.drain_jobs)]
+            run_loadgen(base + fill, None, opts.drain_timeout)
         cmd = [pyspy, "record", "--pid", str(srv.pid), "--format", "raw", "--output", str(raw), "--nolineno",
                "--rate", "250", "--nonblocking", "--duration", str(int(opts.seconds + 1))]
         if opts.native:  # native unwinding has to pause the process: slower, but shows C frames
@@ -380,7 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3, quick 1)")
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per run (default 3, quick 1)")
     p.add_argument("--warmup", type=float, default=None, help="unmeasured warm-up seconds (default 0.5, quick 0.2)")
-    p.add_argument("--drain-jobs", type=int, default=None, help="jobs pre-filled for drain (default 100000, quick 20000)")
+    p.add_argument("--drain-jobs", type=int, default=None,
+                   help="jobs pre-filled for drain (default 100000, quick 20000)")
     p.add_argument("--drain-timeout", type=float, default=300.0, help="give up on one fill/drain after this many s")
     p.add_argument("--body", type=int, default=100, help="job body bytes")
     p.add_argument("--pin", choices=("one", "all", "none"), default="one",
@@ -475,7 +476,7 @@ def main(argv=None) -> int:
         return instructions.main(opts)
     if max(opts.conns) + 64 > nofile:
         print(f"warning: RLIMIT_NOFILE is {nofile}; {max(opts.conns)} connections may fail", file=sys.stderr)
-    started = _dt.datetime.now(_dt.timezone.utc)
+    started = _dt.datetime.now(_dt.UTC)
     meta = {
         "started_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git": git_info(),
@@ -492,7 +493,8 @@ def main(argv=None) -> int:
     except OSError:
         meta["beanstalkd_version"] = None
     print(f"# broker bench {meta['started_utc']} commit {meta['git']['commit']}"
-          f"{' (broker/ has uncommitted changes)' if meta['git']['broker_dirty'] else ''}, load {meta['loadavg_start'][0]:.2f}",
+          f"{' (broker/ has uncommitted changes)' if meta['git']['broker_dirty'] else ''}"
+          f", load {meta['loadavg_start'][0]:.2f}",
           file=sys.stderr)
     print(f"# {machine_line(meta)}", file=sys.stderr)
 
@@ -521,7 +523,7 @@ def main(argv=None) -> int:
         add_ratios(row)
         rows.append(row)
 
-    meta["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta["finished_utc"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     meta["loadavg_end"] = os.getloadavg()
     table = markdown(rows, opts.servers)
     gen_max = max((m.get("client_cpu_pct_max") or 0) for r in rows for m in r["servers"].values())

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     os.chdir(ROOT)
     bb.build_loadgen()
     bb.raise_nofile()
-    meta = {"started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git": bb.git_info(),
+    meta = {"started_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "git": bb.git_info(),
             "loadavg_start": os.getloadavg(), "jobs": opts.jobs, "body": opts.body}
     results: dict[str, list[dict]] = {}
     for rep in range(opts.reps):
@@ -121,7 +121,8 @@ def main(argv=None) -> int:
         return statistics.median(vals) if vals else None
 
     mb = lambda v: "-" if v is None else f"{v / 1e6:.0f} MB"  # noqa: E731
-    lines = ["| server | jobs ready | load time | puts/s while loading | peak RSS (VmHWM) | bytes/job | ratio to beanstalkd |",
+    lines = ["| server | jobs ready | load time | puts/s while loading | peak RSS (VmHWM) | bytes/job "
+             "| ratio to beanstalkd |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     base = med("beanstalkd", "vmhwm")
     summary = {}
@@ -135,11 +136,12 @@ def main(argv=None) -> int:
         bpj = med(kind, "bytes_per_job")
         failed = [r["failed"] for r in results.get(kind, []) if r.get("failed")]
         lines.append(f"| {kind} | {'-' if summary[kind]['ready'] is None else int(summary[kind]['ready']):,} | "
-                     f"{'-' if ls is None else f'{ls:.1f} s'} | {'-' if lp is None else f'{lp / 1000:.0f}k'} | {mb(hwm)} | "
+                     f"{'-' if ls is None else f'{ls:.1f} s'} | "
+                     f"{'-' if lp is None else f'{lp / 1000:.0f}k'} | {mb(hwm)} | "
                      f"{'-' if bpj is None else f'{bpj:.0f}'} | {'-' if ratio is None else f'{ratio:.2f}'}"
                      f"{' (failed: ' + failed[0] + ')' if failed else ''} |")
     table = "\n".join(lines)
-    meta["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta["finished_utc"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     meta["loadavg_end"] = os.getloadavg()
     print(table)
     print(f"\n{opts.jobs:,} x {opts.body}-byte jobs; started {meta['started_utc']}, commit {meta['git']['commit']}"

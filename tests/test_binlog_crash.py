@@ -14,11 +14,12 @@ import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
-
-from spark_beanstalk.client import ConnectionLost, Connection
 from test_binlog_helpers import job_snapshot, start_ours
+
+from spark_beanstalk.client import Connection, ConnectionLost
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -199,7 +200,7 @@ def test_sigkill_at_random_moments(tmp_path):
     finally:
         proc.stop()
     assert model.ops > 500, model.ops
-    log = open(err).read()
+    log = Path(err).read_text()
     assert "damaged" not in log and "Traceback" not in log, log[-2000:]
     print(f"seed {seed}: {kills} kills, {model.ops} ops, {len(model.jobs)} live, {len(model.deleted)} deleted, "
           f"{migrated} records migrated by compaction")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from test_binlog_helpers import job_snapshot
 
 from spark_beanstalk.client import Connection
 from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process, broker_process
-from test_binlog_helpers import job_snapshot
 
 pytestmark = [pytest.mark.skipif(beanstalkd_binary() is None, reason="beanstalkd not installed"),
               pytest.mark.timeout(90)]

@@ -71,7 +71,7 @@ class Harness:
     def crash(self) -> None:
         self.log.abandon()
 
-    def reopen(self, **overrides) -> "Harness":
+    def reopen(self, **overrides) -> Harness:
         args = {**self.args, **overrides}
         return Harness(self.dir, **args)
 

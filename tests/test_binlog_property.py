@@ -13,10 +13,11 @@ import shutil
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_binlog_helpers import Harness, job_snapshot, start_ours
 
 from spark_beanstalk.client import Connection
-from test_binlog_helpers import Harness, job_snapshot, start_ours
 
 TUBES = ("default", "t1", "t2")
 
@@ -162,7 +163,8 @@ def _process_view(conn: Connection, model: Expected) -> dict:
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op.filter(lambda s: s[0] != "restart"), min_size=5, max_size=60), kill=st.booleans())
 def test_recovered_state_matches_model_real_broker(ops, kill):
     d = tempfile.mkdtemp(prefix="binlog-prop-proc-")

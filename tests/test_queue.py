@@ -329,7 +329,8 @@ def _packets(draw) -> bytes:
         size = draw(st.integers(0, 12))
         line = b"put %d %d %d %d" % (draw(st.integers(0, 2**32)), draw(st.integers(0, 3)),
                                       draw(st.integers(0, 3)), size)
-        body = draw(st.binary(min_size=max(0, size - 1), max_size=size + 1)) + draw(st.sampled_from([b"\r\n", b"\n", b""]))
+        body = draw(st.binary(min_size=max(0, size - 1), max_size=size + 1))
+        body += draw(st.sampled_from([b"\r\n", b"\n", b""]))
     end = draw(st.sampled_from([b"\r\n", b"\r\n", b"\n", b"\r", b"\r\r\n"]))
     tail = draw(st.sampled_from([b"", b"", b"stats\r\n", b"x"]))
     return line + end + body + tail

@@ -9,12 +9,12 @@ tube's waiting clients jobs in a rotating order.
 from __future__ import annotations
 
 import heapq
-import importlib.machinery
 from collections.abc import Callable
 from typing import Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
+from broker._build import is_compiled_file
 from broker.jobtable import JobTable
 
 # Final: mypyc puts these values into the compiled code; a plain module global is a dict
@@ -52,7 +52,7 @@ heappop: Final = heapq.heappop
 
 # Compiled (mypyc), a Job's int fields are machine words, not int objects: sharing equal ints
 # between jobs (shared_int) saves nothing there and costs a boxing and a dict look-up per put.
-COMPILED: Final = str(__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+COMPILED: Final = is_compiled_file(__file__)
 
 INT_POOL_MAX: Final = 1024  # distinct values shared by shared_int; past that, new values stay per job
 

@@ -385,3 +385,12 @@ def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -
     assert c.reserve(0) == b"RESERVED %d 1\r\nb\r\n" % job_id
     assert c.reserve(0) == p.TIMED_OUT
     assert tube.ready_count == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=300).map(lambda b: b.replace(b"\x0d", b"") if len(b) % 3 == 0 else b),
+       start=st.integers(0, 320), length=st.integers(0, 320))
+def test_find_cr_is_bytes_find(data, start, length):
+    """The compiled decoder's native CR scan answers exactly as bytes.find (both builds run it)."""
+    end = start + length
+    assert p.find_cr(data, start, end) == data.find(b"\r", start, end)

@@ -534,7 +534,7 @@ class Decoder:
         """
         if self.pos != len(self.buf) or self.mode != _LINE:
             return None
-        end = find_cr(data, 0, LINE_LIMIT - 1) if COMPILED else data.find(b"\r", 0, LINE_LIMIT - 1)
+        end = find_cr(data, 0, LINE_LIMIT - 1) if COMPILED else data.find(b"\r")  # one argument: cheaper
         if end < 0 or end > LINE_LIMIT - 2 or end + 1 == len(data) or data[end + 1] != 10:
             return None
         line = data[:end]

@@ -121,25 +121,6 @@ _unpack_job_fields: Final = JOB_FIELDS.unpack_from
 COMPILED: Final = is_compiled_file(__file__)
 
 
-class JobRecord(NamedTuple):
-    """The decoded fixed part of a K_JOB record (see the module docstring); tube and body follow it."""
-
-    kind: int
-    job_id: int
-    state: int
-    pri: int
-    delay: int
-    ttr: int
-    created: int
-    deadline: int
-    reserves: int
-    timeouts: int
-    releases: int
-    buries: int
-    kicks: int
-    tube_len: int
-
-
 class UpdateRecord(NamedTuple):
     """A decoded K_UPDATE payload."""
 
@@ -258,11 +239,6 @@ def encode_delete(job_id: int) -> bytes:
     buf = bytearray()
     append_delete(buf, job_id)
     return bytes(buf)
-
-
-def decode_job(data: Buffer, pos: int) -> JobRecord:
-    """The fixed part of the K_JOB record whose frame starts at ``pos`` (already checked)."""
-    return JobRecord._make(JOB.unpack_from(data, pos + FRAME_SIZE))
 
 
 def decode_update(data: Buffer, pos: int) -> UpdateRecord:

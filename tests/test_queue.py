@@ -394,3 +394,14 @@ def test_find_cr_is_bytes_find(data, start, length):
     """The compiled decoder's native CR scan answers exactly as bytes.find (both builds run it)."""
     end = start + length
     assert p.find_cr(data, start, end) == data.find(b"\r", start, end)
+
+
+def test_find_cr_at_every_position():
+    """Every CR position in a 300-byte packet (random data rarely puts the first CR far out), with
+    windows that end before, at and past it."""
+    for pos in range(300):
+        data = bytes(pos) + b"\r" + bytes(299 - pos)
+        for start in (0, pos // 2, pos, pos + 1):
+            for end in (pos, pos + 1, 300, 400):
+                if start <= end:
+                    assert p.find_cr(data, start, end) == data.find(b"\r", start, end), (pos, start, end)

@@ -140,7 +140,10 @@ class JobTable(Generic[T]):
                     self.paged -= 1
                     live = page.live - 1
                     page.live = live
-                    if live < SPARSE_LIVE and (live == 0 or index != len(pages) - 1):
+                    # Never the newest page, even empty: it is the one being filled, and once it
+                    # were gone the next ids of its number would all go to overflow (a queue whose
+                    # workers keep up empties it between puts all the time).
+                    if live < SPARSE_LIVE and index != len(pages) - 1:
                         self._evict(index)
                         self._trim()
                     return job

@@ -32,13 +32,20 @@ STATE_NAMES: Final = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
 T = TypeVar("T")
-# A heap entry is one int, ``(key << ID_BITS) | id``: key = priority (ready heap) or deadline
-# (delay heap). An int costs a third of a (key, id, job) tuple, and compiled (mypyc) it needs no
-# boxed key and id beside it. The job is found by id; an entry is live while its job is still in
+# A heap entry is one int, ``(key << ID_BITS) | id``: key = deadline (delay heap) or priority
+# (ready heap, narrower while it can be, see NARROW_ID_BITS). An int costs a third of a
+# (key, id, job) tuple, and compiled (mypyc) it needs no boxed key and id beside it. The job is found by id; an entry is live while its job is still in
 # that tube and state with that key (lazy deletion). Two live entries of one job can only be
 # equal ints, served once: the first makes the job leave the state, the second is then stale.
 ID_BITS: Final = 64
 ID_MASK: Final = (1 << ID_BITS) - 1
+# The ready heap starts narrow: while its ids are below 2**30, ``(pri << 30) | id`` with a 32-bit
+# priority is below 2**62, which mypyc keeps in a machine word (a tagged int), so the shift, the
+# mask and the compares are a few C instructions; ``pri << 64`` goes through CPython's big-int
+# code (~500 instructions a put). The first id past 2**30 widens that tube's heap for good
+# (Tube.ready_entry); the encoding keeps the order, so the list stays a heap.
+NARROW_ID_BITS: Final = 30
+NARROW_ID_MASK: Final = (1 << NARROW_ID_BITS) - 1
 
 
 def heap_entry(key: int, job_id: int) -> int:
@@ -227,7 +234,9 @@ class Tube:
         "pause",
         "pause_count",
         "ready",
+        "ready_bits",
         "ready_count",
+        "ready_mask",
         "refs",
         "reserved_count",
         "total_deletes",
@@ -243,7 +252,9 @@ class Tube:
         self.name = name
         self.name_bytes = name.encode("latin-1")  # as the binlog and the replication stream write it
         self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id
-        self.ready: list[int] = []  # heap of heap_entry(pri, id); stale entries skipped
+        self.ready: list[int] = []  # heap of (pri << ready_bits) | id; stale entries skipped
+        self.ready_bits = NARROW_ID_BITS  # ID_BITS once an id past NARROW_ID_MASK was queued here
+        self.ready_mask = NARROW_ID_MASK
         self.ready_count = 0
         self.urgent_count = 0
         self.delayed: list[int] = []  # heap of heap_entry(deadline, id)
@@ -260,9 +271,25 @@ class Tube:
         self.unpause_at = 0
         self.refs = 0
 
+    def ready_entry(self, pri: int, job_id: int) -> int:
+        """The ready heap's entry for a job: ``(pri << ready_bits) | job_id``, widening the heap first
+        when the id does not fit the narrow form."""
+        bits = self.ready_bits
+        if job_id >> bits:
+            self._widen_ready()
+            bits = ID_BITS
+        return (pri << bits) | job_id
+
+    def _widen_ready(self) -> None:
+        bits = self.ready_bits
+        mask = self.ready_mask
+        self.ready = [((entry >> bits) << ID_BITS) | (entry & mask) for entry in self.ready]
+        self.ready_bits = ID_BITS
+        self.ready_mask = ID_MASK
+
     def ready_live(self, entry: int) -> bool:
-        job = self.jobs.get(entry & ID_MASK)
-        return job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS
+        job = self.jobs.get(entry & self.ready_mask)
+        return job is not None and job.state == READY and job.tube is self and job.pri == entry >> self.ready_bits
 
     def delayed_live(self, entry: int) -> bool:
         job = self.jobs.get(entry & ID_MASK)
@@ -272,10 +299,12 @@ class Tube:
         """The job of the top live entry of the ready heap (stale ones above it are dropped)."""
         heap = self.ready
         jobs = self.jobs
+        bits = self.ready_bits
+        mask = self.ready_mask
         while heap:
             entry = heap[0]
-            job = jobs.get(entry & ID_MASK)  # ready_live, inlined: this is the reserve path
-            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> ID_BITS:
+            job = jobs.get(entry & mask)  # ready_live, inlined: this is the reserve path
+            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> bits:
                 return job
             heappop(heap)
         return None

@@ -216,7 +216,8 @@ class Queue:
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
+            entry = tube.ready_entry(job.pri, job.id)  # first: it may replace tube.ready (widening)
+            heappush(tube.ready, entry)
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1

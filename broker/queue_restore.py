@@ -99,7 +99,8 @@ class Restorer:
             self.delayed += 1
             self.queue.timers.push(deadline, _DELAYED_READY, job)
         else:
-            tube.ready.append((pri << ID_BITS) | job_id)  # heap_entry, inlined
+            entry = tube.ready_entry(pri, job_id)  # first: it may replace tube.ready (widening)
+            tube.ready.append(entry)
             job.state = _READY
             tube.ready_count += 1
             self.ready += 1

@@ -387,6 +387,35 @@ def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -
     assert tube.ready_count == 0
 
 
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.one_of(st.sampled_from([0, 1, 1023, 2**30 - 1, 2**30, 2**31, 2**32 - 1]), st.none()),
+                    min_size=1, max_size=40),
+       narrow_left=st.integers(0, 30))
+def test_ready_order_holds_across_the_narrow_to_wide_heap_switch(ops, narrow_left):
+    """The ready heap keeps (pri << 30) | id while ids fit 30 bits and re-encodes itself with 64-bit
+    ids at the first id past that: reserves (None in ``ops``) still serve the least (pri, id), before,
+    across and after the switch, with every priority width."""
+    queue = Queue(FakeClock())
+    queue.next_id = 2**30 - narrow_left  # the first `narrow_left` ids fit the narrow form
+    c = Conn(queue)
+    held: set[tuple[int, int]] = set()
+    for pri in ops:
+        if pri is None:
+            reply = c.reserve(0)
+            if not held:
+                assert reply == p.TIMED_OUT
+                continue
+            best = min(held)
+            assert job_id(reply) == best[1]
+            held.discard(best)
+            assert queue.delete(c.client, best[1]) == p.DELETED
+        else:
+            held.add((pri, c.put(b"x", pri=pri)))
+    assert [job_id(c.reserve(0)) for _ in range(len(held))] == [i for _, i in sorted(held)]
+    wide = queue.next_id - 1 >= 2**30 and any(pri is not None for pri in ops)
+    assert queue.default_tube.ready_bits == (64 if wide else 30)
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=300).map(lambda b: b.replace(b"\x0d", b"") if len(b) % 3 == 0 else b),
        start=st.integers(0, 320), length=st.integers(0, 320))

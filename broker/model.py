@@ -34,8 +34,9 @@ STATE_NAMES: Final = ("ready", "delayed", "reserved", "buried", "invalid")
 T = TypeVar("T")
 # A heap entry is one int, ``(key << ID_BITS) | id``: key = deadline (delay heap) or priority
 # (ready heap, narrower while it can be, see NARROW_ID_BITS). An int costs a third of a
-# (key, id, job) tuple, and compiled (mypyc) it needs no boxed key and id beside it. The job is found by id; an entry is live while its job is still in
-# that tube and state with that key (lazy deletion). Two live entries of one job can only be
+# (key, id, job) tuple, and compiled (mypyc) it needs no boxed key and id beside it. The job is
+# found by id; an entry is live while its job is still in that tube and state with that key
+# (lazy deletion). Two live entries of one job can only be
 # equal ints, served once: the first makes the job leave the state, the second is then stale.
 ID_BITS: Final = 64
 ID_MASK: Final = (1 << ID_BITS) - 1

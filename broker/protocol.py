@@ -372,11 +372,33 @@ def parse_line(line: bytes, max_job_size: int, cache: LineCache | None = None) -
     return _parse_uncached(line, max_job_size, cache)
 
 
+def plain_number(line: bytes, start: i64) -> i64:
+    """``int(line[start:])`` when that is 1 to 18 ASCII digits (so below 2**63), else -1.
+
+    Compiled, a C loop over the digits; interpreted, ``isdigit`` and ``int`` (two C calls, cheaper
+    there than a Python loop)."""
+    n: i64 = len(line)
+    if n <= start or n - start > 18:
+        return -1
+    if not COMPILED:
+        digits = line[start:]
+        return int(digits) if digits.isdigit() else -1
+    value: i64 = 0
+    i: i64 = start
+    while i < n:
+        digit: i64 = line[i] - 48
+        if digit < 0 or digit > 9:
+            return -1
+        value = value * 10 + digit
+        i += 1
+    return value
+
+
 def _parse_uncached(line: bytes, max_job_size: int, cache: LineCache | None) -> LineCommand:
     if line.startswith(b"delete "):  # the commonest line the cache cannot hold: no split(), no table
-        digits = line[7:]
-        if len(digits) < 20 and digits.isdigit():  # < 20 digits: below 2**64 (read_u64's limit)
-            return _new(IdArg, ("delete", int(digits)))
+        job_id = plain_number(line, 7)  # longer ids: the exact parser below (read_u64)
+        if job_id >= 0:
+            return ("delete", job_id)  # type: ignore[return-value]  # an IdArg, as a plain tuple (see Put)
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")
@@ -556,8 +578,8 @@ class Decoder:
                 cmd = _parse_uncached(line, self.max_job_size, self.line_cache)
             except (ParseError, TooBig):
                 return None  # answered by the exact path
-        if type(cmd) is PutLine:
-            _, pri, delay, ttr, size = cmd
+        if cmd[0] == "put":  # only a PutLine here (a str compare: compiled, `type(cmd) is PutLine` looks it up)
+            _, pri, delay, ttr, size = cmd  # type: ignore[misc]  # a PutLine
             if size > self.max_job_size or len(data) != end + size + 4 or data[-2] != 13 or data[-1] != 10:
                 return None
             return ("put", pri, delay, ttr, data[end + 2:-2], False)  # type: ignore[return-value]  # a Put

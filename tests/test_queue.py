@@ -425,6 +425,18 @@ def test_find_cr_is_bytes_find(data, start, length):
     assert p.find_cr(data, start, end) == data.find(b"\r", start, end)
 
 
+@settings(max_examples=400, deadline=None)
+@given(text=st.one_of(st.binary(max_size=22), st.integers(0, 10**20).map(lambda n: b"%d" % n),
+                      st.integers(0, 10**6).map(lambda n: b"00%d" % n)),
+       start=st.integers(0, 3))
+def test_plain_number_is_int_of_plain_digits(text, start):
+    """The delete fast path's number parse (a native loop compiled) agrees with int() on 1-18
+    ASCII digits and declines (-1) everything else, in both builds."""
+    digits = text[start:]
+    expected = int(digits) if 0 < len(digits) <= 18 and digits.isdigit() else -1
+    assert p.plain_number(text, start) == expected
+
+
 def test_find_cr_at_every_position():
     """Every CR position in a 300-byte packet (random data rarely puts the first CR far out), with
     windows that end before, at and past it."""

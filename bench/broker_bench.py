@@ -215,7 +215,7 @@ def fmt_num(v, nd=1):
 
 
 OURS = ("ours", "ours-pure")
-REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"))
+REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"), ("ceiling", "ceiling"))
 
 
 def add_ratios(row: dict) -> None:
@@ -359,7 +359,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 s rows, 20k-job drains")
     p.add_argument("--servers", default=None,
-                   help="comma list of: beanstalkd, ours, ours-pure, floor (see bench/servers.py); default "
+                   help="comma list of: beanstalkd, ours, ours-pure, floor, ceiling (see bench/servers.py); default "
                         "beanstalkd,ours,floor (--breakdown: all four)")
     p.add_argument("--pure", action="store_true",
                    help="also run ours-pure (SPARK_BEANSTALK_PURE=1): both builds of ours side by side")

@@ -102,7 +102,7 @@ def main(opts) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (with callgrind_control) is needed: apt-get install -y valgrind", file=sys.stderr)
         return 2
-    kinds = [k for k in opts.servers if k in ("ours", "ours-pure", "floor", "beanstalkd")]
+    kinds = [k for k in opts.servers if k in ("ours", "ours-pure", "floor", "ceiling", "beanstalkd")]
     workloads = [w for w in opts.workloads if w in ("put", "cycle", "drain")]
     # Without the flag, the floor's two rows (put, cycle 50x1); a flag given is taken as it is,
     # even when it names the table's default (--depths 1,64).

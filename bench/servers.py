@@ -9,6 +9,8 @@ Kinds:
   when compiled modules exist);
 * ``floor`` - ``shared/tools/python_floor.py``: asyncio + uvloop and nothing else
   (no priorities, timers, stats or error paths). The least any Python server costs.
+* ``ceiling`` - ``bench/ceiling_server.py``: asyncio + uvloop answering the load generator
+  with no jobs kept at all (a count): what no Python server on this stack can beat.
 
 Ratios between these move from machine to machine (CPU, kernel, Python build): always
 compare servers measured in the same run, on the same machine.
@@ -30,7 +32,8 @@ from spark_beanstalk.embedded import (
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-KINDS = ("beanstalkd", "ours", "ours-pure", "floor")
+KINDS = ("beanstalkd", "ours", "ours-pure", "floor", "ceiling")
+CEILING = BENCH / "ceiling_server.py"
 FLOOR_ENV = "SPARK_BEANSTALK_FLOOR"
 PURE_ENV = "SPARK_BEANSTALK_PURE"
 FLOOR_REL = Path("shared") / "tools" / "python_floor.py"
@@ -81,6 +84,10 @@ def server_process(kind: str, ours_args: list[str], stderr_path: str | None = No
     if kind == "floor":
         port = free_port()
         return ServerProcess(argv=[sys.executable, str(floor_script(floor)), str(port)], host="127.0.0.1",
+                             port=port, env=_env(False), stderr_path=stderr_path)
+    if kind == "ceiling":
+        port = free_port()
+        return ServerProcess(argv=[sys.executable, str(CEILING), str(port)], host="127.0.0.1",
                              port=port, env=_env(False), stderr_path=stderr_path)
     raise ValueError(f"unknown server kind {kind!r} (one of {', '.join(KINDS)})")
 

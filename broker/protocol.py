@@ -570,7 +570,8 @@ class Decoder:
         if end < 0 or end > LINE_LIMIT - 2 or end + 1 == len(data) or data[end + 1] != 10:
             return None
         line = data[:end]
-        cmd = self.line_cache.get(line)
+        # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
+        cmd = self.line_cache.get(line) if data[0] != 100 else None
         if cmd is None:
             if self.auth_enabled and line.startswith(b"auth "):
                 return None

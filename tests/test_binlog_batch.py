@@ -90,6 +90,7 @@ def test_many_jobs_with_every_kind_of_exception():
         seg1 += [_job(1500, now, tube=b"other"), _job(1501, now, counters=(1, 0, 2, 0, 0)),
                  _job(1502, now, state=fmt.S_DELAYED, delay=5 * 10**9), _job(1503, now, state=fmt.S_RESERVED),
                  _job(1504, now, state=fmt.S_BURIED), fmt.encode_delete(7), fmt.encode_delete(3000)]
+        seg1 += [_job(j, now, counters=tuple(int(j == 1490 + k) for k in range(5))) for j in range(1490, 1495)]
         seg2 = [_job(j, now, pri=2**31 + j % 2, ttr=1000 + j % 2) for j in range(1505, 3300)]
         seg2 += [fmt.encode_update(10, fmt.S_BURIED, 5, 0, 0, (1, 0, 0, 1, 0)),
                  fmt.encode_update(11, fmt.S_RESERVED, 1024, 0, 0, (1, 0, 0, 0, 0)),

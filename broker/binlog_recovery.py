@@ -372,7 +372,7 @@ class _Decoder:
         handed to the restorer in runs of one tube; every other K_JOB record goes through
         :meth:`job` in its turn (the run before it handed over first, so the order of
         everything the restorer sees is that of the per-record walk)."""
-        unpack = fmt.JOB_FIELDS.unpack_from
+        unpack, no_counters = fmt.JOB_BATCH_FIELDS.unpack_from, fmt.NO_COUNTER_BYTES
         check = bool(self.dead or self.latest)
         updates, pool, make = self.updates, self.restorer.pool, ready_job
         wall_off, home, base, recent = self.wall_off, self.home, self.base, self.recent_created
@@ -389,15 +389,14 @@ class _Decoder:
             if kind != k_job:
                 pos += update_size if kind == k_update else other_size
                 continue
-            (length, job_id, state, pri, delay, ttr, created, _deadline, reserves, timeouts, releases, buries,
-             kicks, tube_len) = unpack(data, pos)
+            length, job_id, state, pri, delay, ttr, created, counters, tube_len = unpack(data, pos)
             size = frame + length
             if check and not self.current(job_id, base | pos):
                 pos += size
                 continue
             tstart = pos + fixed
             bstart = tstart + tube_len
-            if state or delay or reserves or timeouts or releases or buries or kicks or (updates and job_id in updates):
+            if state or delay or counters != no_counters or (updates and job_id in updates):
                 run.hand_over(nbytes, urgent)
                 nbytes = urgent = 0
                 self.recent_created = recent

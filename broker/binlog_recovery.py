@@ -377,11 +377,12 @@ class _Decoder:
         updates, pool, make = self.updates, self.restorer.pool, ready_job
         wall_off, home, base, recent = self.wall_off, self.home, self.base, self.recent_created
         frame, k_job, fixed, other_size = fmt.FRAME_SIZE, fmt.K_JOB, fmt.JOB_RECORD_FIXED, fmt.DELETE_RECORD_SIZE
-        k_update, update_size, grain, ns, id_bits, urgent_pri = (fmt.K_UPDATE, fmt.UPDATE_RECORD_SIZE, _CREATED_GRAIN,
-                                                                 _NS, _ID_BITS, _URGENT)
+        k_update, update_size, grain, ns, urgent_pri = (fmt.K_UPDATE, fmt.UPDATE_RECORD_SIZE, _CREATED_GRAIN, _NS,
+                                                        _URGENT)
         run = _Run(self, None)
         ids, jobs, ready, tube_bytes = run.ids, run.jobs, run.ready, run.tube_bytes
         tube: Any = None  # run.tube: set by the first job, which always starts a run
+        shift = _ID_BITS  # tube.ready_shift once a run starts (no id is as wide before)
         nbytes = urgent = 0  # of the jobs in ``run``
         pos = fmt.HEADER_SIZE
         while pos < end:
@@ -396,18 +397,24 @@ class _Decoder:
                 continue
             tstart = pos + fixed
             bstart = tstart + tube_len
-            if state or delay or counters != no_counters or (updates and job_id in updates):
+            if state or delay or counters != no_counters or (updates and job_id in updates) or job_id >> shift:
                 run.hand_over(nbytes, urgent)
                 nbytes = urgent = 0
                 self.recent_created = recent
                 pos += self.job(data, pos)
                 recent = self.recent_created
+                run = _Run(self, None)  # the next job starts a run afresh: job() may have widened a ready heap
+                ids, jobs, ready, tube_bytes = run.ids, run.jobs, run.ready, run.tube_bytes
+                shift = _ID_BITS
                 continue
             if data[tstart:bstart] != tube_bytes:
                 run.hand_over(nbytes, urgent)
                 nbytes = urgent = 0
                 run = _Run(self, data[tstart:bstart])
                 ids, jobs, ready, tube_bytes, tube = run.ids, run.jobs, run.ready, run.tube_bytes, run.tube
+                shift = tube.ready_shift
+                if job_id >> shift:  # an id too wide for this heap: the per-record path widens it
+                    continue  # (the loop comes back to this record with shift set)
             created -= wall_off
             if 0 <= created - recent < grain:
                 created = recent
@@ -420,7 +427,7 @@ class _Decoder:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
             ids.append(job_id)
             jobs.append(make(job_id, tube, pri, ttr, data[bstart:pos + size], created, home))
-            ready.append((pri << id_bits) | job_id)
+            ready.append((pri << shift) | job_id)
             if pri < urgent_pri:
                 urgent += 1
             nbytes += size

@@ -216,7 +216,11 @@ class Queue:
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            heappush(tube.ready, (job.pri << ID_BITS) | job.id)  # heap_entry, inlined
+            shift = tube.ready_shift
+            if job.id >> shift:  # too wide for the heap's shift: widen it first
+                tube.widen_ready()
+                shift = ID_BITS
+            heappush(tube.ready, (job.pri << shift) | job.id)
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1

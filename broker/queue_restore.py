@@ -99,7 +99,11 @@ class Restorer:
             self.delayed += 1
             self.queue.timers.push(deadline, _DELAYED_READY, job)
         else:
-            tube.ready.append((pri << ID_BITS) | job_id)  # heap_entry, inlined
+            shift = tube.ready_shift
+            if job_id >> shift:  # too wide for the heap's shift: widen it first
+                tube.widen_ready()
+                shift = tube.ready_shift
+            tube.ready.append((pri << shift) | job_id)
             job.state = _READY
             tube.ready_count += 1
             self.ready += 1

@@ -97,11 +97,13 @@ def test_many_jobs_with_every_kind_of_exception():
                  fmt.encode_update(12, fmt.S_DELAYED, 9, 10**9, now + HOUR, (0, 0, 1, 0, 0)),
                  _job(20, now, tube=b"moved"), fmt.encode_delete(1600)]
         seg3 = [_job(j, now, tube=b"t%d" % (j % 3)) for j in range(3300, 3400)] + [_job(1600, now), _job(5000, now)]
+        seg3 += [_job(2**32 + j, now, pri=j) for j in range(3)]  # ids that widen the ready heap, then fit it
         _write(d, [seg1, seg2, seg3], now)
         got = _both_ways(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    assert len(got["jobs"]) == 3399  # ids 1-3399 and 5000, less 7 (deleted); 1600 came back, 3000's delete came first
+    assert len(got["jobs"]) == 3402  # ids 1-3399, 5000 and 3 past 2**32, less 7 (deleted); 1600 came back, 3000's
+    # delete came first
     assert {t[0] for t in got["tubes"]} >= {"bench", "other", "moved", "t0", "t1", "t2"}
 
 

@@ -405,3 +405,22 @@ def test_find_cr_at_every_position():
             for end in (pos, pos + 1, 300, 400):
                 if start <= end:
                     assert p.find_cr(data, start, end) == data.find(b"\r", start, end), (pos, start, end)
+
+
+def test_ready_heap_widens_for_ids_past_2_32(queue):
+    """Ready-heap entries shift the priority by 32 bits until an id needs more; the heap is then
+    re-encoded. Reserves stay in (priority, id) order across the change, with stale entries in it."""
+    c = Conn(queue)
+    queue.next_id = 2**32 - 4
+    ids = {body: c.put(body, pri=pri) for body, pri in
+           [(b"a", 5), (b"b", 2**32 - 1), (b"c", 5), (b"d", 0)]}  # ids 2**32-4 .. 2**32-1: narrow entries
+    released = job_id(c.reserve())  # d: its entry leaves the heap; released again below with a new priority
+    assert released == ids[b"d"]
+    tube = queue.tube_by_name["default"]
+    assert tube.ready_shift == 32
+    ids[b"e"] = c.put(b"e", pri=5)  # id 2**32: the heap widens
+    assert tube.ready_shift == 64 and ids[b"e"] == 2**32
+    assert queue_verbs.release(queue, c.client, released, 2**32 - 1, 0) == p.RELEASED
+    ids[b"f"] = c.put(b"f", pri=0)
+    order = [job_id(c.reserve()) for _ in range(6)]
+    assert order == [ids[b"f"], ids[b"a"], ids[b"c"], ids[b"e"], ids[b"b"], ids[b"d"]]

@@ -101,10 +101,13 @@ JOB_RECORD_FIXED: Final = FRAME_SIZE + JOB_SIZE  # a K_JOB record is this plus i
 # and fixed part in one call.
 HEAD = struct.Struct("<IIBQ")
 JOB_FIELDS = struct.Struct("<I5x" + JOB.format[2:])  # frame and fixed part, crc and kind skipped
+# The interpreted recovery's batch loop: JOB_FIELDS without the deadline (a ready job has
+# none) and with the five counters as one 20-byte string (zeros for nearly every job).
+JOB_BATCH_FIELDS = struct.Struct("<I5xQBIqqq8x20sB")
 _STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size,
-                 HEAD.size, JOB_FIELDS.size)
+                 HEAD.size, JOB_FIELDS.size, JOB_BATCH_FIELDS.size)
 if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE, DELETE_RECORD_SIZE,
-                     JOB_RECORD_FIXED):
+                     JOB_RECORD_FIXED, JOB_RECORD_FIXED):
     raise ImportError("binlog_format: a size constant does not match its struct")
 
 crc32: Final = zlib.crc32  # Final: mypyc keeps it in a C variable, not a dict lookup per call

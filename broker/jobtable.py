@@ -103,6 +103,31 @@ class JobTable(Generic[T]):
         page.live = 1
         self.paged += 1
 
+    def put_many(self, ids: list[int], jobs: list[T]) -> None:
+        """``self[ids[i]] = jobs[i]`` for each i in turn, with the same result; a run of
+        consecutive new ids within one page is stored by one slice assignment (recovery
+        restores a million jobs in id order)."""
+        count = len(ids)
+        i = 0
+        while i < count:
+            first = ids[i]
+            self[first] = jobs[i]  # makes the page if that is its turn, exactly as one put would
+            offset = first & PAGE_MASK
+            span = min(count - i, PAGE_SIZE - offset)
+            index = (first >> PAGE_BITS) - self.base
+            page = self.pages[index] if 0 <= index < len(self.pages) else None
+            if (page is not None and span > 1 and ids[i + span - 1] == first + span - 1
+                    and ids[i:i + span] == list(range(first, first + span))
+                    and page.slots[offset + 1:offset + span].count(None) == span - 1):
+                page.slots[offset + 1:offset + span] = jobs[i + 1:i + span]
+                page.live += span - 1
+                self.paged += span - 1
+                i += span
+                continue
+            for k in range(i + 1, i + span):  # not one clean run: one at a time
+                self[ids[k]] = jobs[k]
+            i += span
+
     def _new_page(self, number: int) -> Page[T]:
         """Make page ``number``, above every page made so far."""
         pages = self.pages

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from mypy_extensions import mypyc_attr
 
@@ -32,21 +32,22 @@ STATE_NAMES: Final = ("ready", "delayed", "reserved", "buried", "invalid")
 
 
 T = TypeVar("T")
-# A heap entry is one int, ``(key << ID_BITS) | id``: key = deadline (delay heap) or priority
-# (ready heap, narrower while it can be, see NARROW_ID_BITS). An int costs a third of a
-# (key, id, job) tuple, and compiled (mypyc) it needs no boxed key and id beside it. The job is
-# found by id; an entry is live while its job is still in that tube and state with that key
-# (lazy deletion). Two live entries of one job can only be
+# A heap entry is one int, ``(key << ID_BITS) | id``: key = priority (ready heap) or deadline
+# (delay heap). An int costs a third of a (key, id, job) tuple, and compiled (mypyc) it needs no
+# boxed key and id beside it. The job is found by id; an entry is live while its job is still in
+# that tube and state with that key (lazy deletion). Two live entries of one job can only be
 # equal ints, served once: the first makes the job leave the state, the second is then stale.
 ID_BITS: Final = 64
 ID_MASK: Final = (1 << ID_BITS) - 1
-# The ready heap starts narrow: while its ids are below 2**30, ``(pri << 30) | id`` with a 32-bit
-# priority is below 2**62, which mypyc keeps in a machine word (a tagged int), so the shift, the
-# mask and the compares are a few C instructions; ``pri << 64`` goes through CPython's big-int
-# code (~500 instructions a put). The first id past 2**30 widens that tube's heap for good
-# (Tube.ready_entry); the encoding keeps the order, so the list stays a heap.
-NARROW_ID_BITS: Final = 30
-NARROW_ID_MASK: Final = (1 << NARROW_ID_BITS) - 1
+# A tube's ready heap shifts the priority by only READY_BITS = 30 while every id in it is below
+# 2**30 (the first billion jobs): with any 32-bit priority, ``(pri << 30) | id`` is below 2**62,
+# which compiled (mypyc) stays a machine word (a tagged int), so the shift, the mask and the
+# compares are a few C instructions where ``pri << 64`` goes through CPython's big-int code
+# (~500 instructions a put); and for priorities below 2**30 it is a two-digit int, 32 bytes,
+# where ``(pri << 64) | id`` takes three digits and 48 (16 bytes a ready job, issue 16 item 4).
+# The first larger id widens that heap for good (:meth:`Tube.widen_ready`); the order of
+# (priority, id) is the same either way.
+READY_BITS: Final = 30
 
 
 def heap_entry(key: int, job_id: int) -> int:
@@ -222,6 +223,35 @@ class Job:
             self.rare = [counters[1], counters[2], counters[3], counters[4], self.delay]
 
 
+_object_new: Final[Any] = object.__new__
+
+
+def ready_job(job_id: int, tube: Tube, pri: int, ttr: int, body: bytes, created: int, file: int) -> Job:
+    """A ready job as recovery makes it: what ``Job(job_id, tube, pri, 0, ttr, body, created)``
+    with ``state = READY`` and ``file = file`` gives. Interpreted, without the class call:
+    calling a class with an ``__init__`` costs about as much as setting every slot, and
+    recovery makes a million (tests/test_binlog_batch.py compares every slot)."""
+    if COMPILED:
+        made = Job(job_id, tube, pri, 0, ttr, body, created)
+        made.state = READY
+        made.file = file
+        return made
+    job: Job = _object_new(Job)
+    job.id = job_id
+    job.tube = tube
+    job.pri = pri
+    job.ttr = ttr
+    job.body = body
+    job.state = READY
+    job.created = created
+    job.deadline = 0
+    job.reserver = None
+    job.reserves = 0
+    job.rare = None
+    job.file = file
+    return job
+
+
 class Tube:
     """A named queue: ready heap, delay heap, buried FIFO, and who uses/watches/waits on it."""
 
@@ -235,9 +265,9 @@ class Tube:
         "pause",
         "pause_count",
         "ready",
-        "ready_bits",
         "ready_count",
         "ready_mask",
+        "ready_shift",
         "refs",
         "reserved_count",
         "total_deletes",
@@ -253,9 +283,9 @@ class Tube:
         self.name = name
         self.name_bytes = name.encode("latin-1")  # as the binlog and the replication stream write it
         self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id
-        self.ready: list[int] = []  # heap of (pri << ready_bits) | id; stale entries skipped
-        self.ready_bits = NARROW_ID_BITS  # ID_BITS once an id past NARROW_ID_MASK was queued here
-        self.ready_mask = NARROW_ID_MASK
+        self.ready: list[int] = []  # heap of (pri << ready_shift) | id; stale entries skipped
+        self.ready_shift = READY_BITS  # ID_BITS once an id of 2**READY_BITS or more came in
+        self.ready_mask = (1 << READY_BITS) - 1
         self.ready_count = 0
         self.urgent_count = 0
         self.delayed: list[int] = []  # heap of heap_entry(deadline, id)
@@ -273,24 +303,26 @@ class Tube:
         self.refs = 0
 
     def ready_entry(self, pri: int, job_id: int) -> int:
-        """The ready heap's entry for a job: ``(pri << ready_bits) | job_id``, widening the heap first
-        when the id does not fit the narrow form."""
-        bits = self.ready_bits
-        if job_id >> bits:
-            self._widen_ready()
-            bits = ID_BITS
-        return (pri << bits) | job_id
+        """The ready heap's entry for a job, ``(pri << ready_shift) | job_id``; an id too wide for
+        the heap's shift widens the heap first."""
+        shift = self.ready_shift
+        if job_id >> shift:
+            self.widen_ready()
+            shift = ID_BITS
+        return (pri << shift) | job_id
 
-    def _widen_ready(self) -> None:
-        bits = self.ready_bits
-        mask = self.ready_mask
-        self.ready = [((entry >> bits) << ID_BITS) | (entry & mask) for entry in self.ready]
-        self.ready_bits = ID_BITS
-        self.ready_mask = ID_MASK
+    def widen_ready(self) -> None:
+        """Re-encode the ready heap with ID_BITS for the id: the map keeps the order, so the
+        list stays a heap."""
+        if self.ready_shift != ID_BITS:
+            narrow, mask = self.ready_shift, self.ready_mask
+            self.ready = [((entry >> narrow) << ID_BITS) | (entry & mask) for entry in self.ready]
+            self.ready_shift = ID_BITS
+            self.ready_mask = ID_MASK
 
     def ready_live(self, entry: int) -> bool:
         job = self.jobs.get(entry & self.ready_mask)
-        return job is not None and job.state == READY and job.tube is self and job.pri == entry >> self.ready_bits
+        return job is not None and job.state == READY and job.tube is self and job.pri == entry >> self.ready_shift
 
     def delayed_live(self, entry: int) -> bool:
         job = self.jobs.get(entry & ID_MASK)
@@ -300,12 +332,11 @@ class Tube:
         """The job of the top live entry of the ready heap (stale ones above it are dropped)."""
         heap = self.ready
         jobs = self.jobs
-        bits = self.ready_bits
-        mask = self.ready_mask
+        shift, mask = self.ready_shift, self.ready_mask
         while heap:
             entry = heap[0]
             job = jobs.get(entry & mask)  # ready_live, inlined: this is the reserve path
-            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> bits:
+            if job is not None and job.state == READY and job.tube is self and job.pri == entry >> shift:
                 return job
             heappop(heap)
         return None

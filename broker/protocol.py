@@ -396,9 +396,11 @@ def plain_number(line: bytes, start: i64) -> i64:
 
 def _parse_uncached(line: bytes, max_job_size: int, cache: LineCache | None) -> LineCommand:
     if line.startswith(b"delete "):  # the commonest line the cache cannot hold: no split(), no table
-        job_id = plain_number(line, 7)  # longer ids: the exact parser below (read_u64)
-        if job_id >= 0:
-            return ("delete", job_id)  # type: ignore[return-value]  # an IdArg, as a plain tuple (see Put)
+        # Its own name: mypyc would type a shared `job_id` i64 from this line, and a release or bury
+        # id of 2**63 or more below would then fail to convert.
+        delete_id = plain_number(line, 7)  # longer ids: the exact parser below (read_u64)
+        if delete_id >= 0:
+            return ("delete", delete_id)  # type: ignore[return-value]  # an IdArg, as a plain tuple (see Put)
     if b"\x00" in line:
         raise ParseError(BAD_FORMAT)
     parts = line.split(b" ")

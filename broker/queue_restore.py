@@ -108,6 +108,30 @@ class Restorer:
                 tube.urgent_count += 1
                 self.urgent += 1
 
+    def tube(self, name: str) -> Tube:
+        """The tube of that name, made if needed."""
+        tube = self.tubes.get(name)
+        if tube is None:
+            tube = self.tubes[name] = queue_apply.tube(self.queue, name)
+        return tube
+
+    def add_ready_run(self, tube: Tube, ids: list[int], jobs: list[Job], held: int, urgent: int) -> None:
+        """Jobs already made ready, file set and heap entries appended to ``tube.ready`` by the
+        caller (the interpreted recovery's batch loop): what :meth:`add` does for each of them,
+        in the same order, with the counts added once."""
+        self.jobs.put_many(ids, jobs)
+        count = len(ids)
+        tube.refs += count
+        tube.ready_count += count
+        tube.urgent_count += urgent
+        self.held += held
+        self.count += count
+        self.ready += count
+        self.urgent += urgent
+        top = max(ids) if count else 0
+        if top > self.max_id:
+            self.max_id = top
+
     def add_record(self, job: RecoveredJob) -> None:
         self.add(job.job_id, job.tube, job.pri, job.delay, job.ttr, job.body, job.state, job.deadline,
                  job.created, job.counters, job.file)

@@ -6,6 +6,7 @@ import pytest
 from broker import protocol as p
 from broker import queue_timers, queue_verbs
 from broker import stats as broker_stats
+from broker.model import READY_BITS
 from broker.queue import NS, Queue
 
 
@@ -392,11 +393,11 @@ def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -
                     min_size=1, max_size=40),
        narrow_left=st.integers(0, 30))
 def test_ready_order_holds_across_the_narrow_to_wide_heap_switch(ops, narrow_left):
-    """The ready heap keeps (pri << 30) | id while ids fit 30 bits and re-encodes itself with 64-bit
-    ids at the first id past that: reserves (None in ``ops``) still serve the least (pri, id), before,
+    """The ready heap keeps (pri << READY_BITS) | id while ids fit READY_BITS bits and re-encodes itself
+    with 64-bit ids at the first id past that: reserves (None in ``ops``) still serve the least (pri, id), before,
     across and after the switch, with every priority width."""
     queue = Queue(FakeClock())
-    queue.next_id = 2**30 - narrow_left  # the first `narrow_left` ids fit the narrow form
+    queue.next_id = 2**READY_BITS - narrow_left  # the first `narrow_left` ids fit the narrow form
     c = Conn(queue)
     held: set[tuple[int, int]] = set()
     for pri in ops:
@@ -412,8 +413,8 @@ def test_ready_order_holds_across_the_narrow_to_wide_heap_switch(ops, narrow_lef
         else:
             held.add((pri, c.put(b"x", pri=pri)))
     assert [job_id(c.reserve(0)) for _ in range(len(held))] == [i for _, i in sorted(held)]
-    wide = queue.next_id - 1 >= 2**30 and any(pri is not None for pri in ops)
-    assert queue.default_tube.ready_bits == (64 if wide else 30)
+    wide = queue.next_id - 1 >= 2**READY_BITS and any(pri is not None for pri in ops)
+    assert queue.default_tube.ready_shift == (64 if wide else READY_BITS)
 
 
 @settings(max_examples=300, deadline=None)
@@ -437,6 +438,18 @@ def test_plain_number_is_int_of_plain_digits(text, start):
     assert p.plain_number(text, start) == expected
 
 
+@pytest.mark.parametrize("line, expected", [
+    (b"bury 9223372036854775808 0", ("bury", 2**63, 0)),
+    (b"release 18446744073709551615 1 2", ("release", 2**64 - 1, 1, 2)),
+    (b"delete 18446744073709551615", ("delete", 2**64 - 1)),
+    (b"delete 123456789012345678", ("delete", 123456789012345678)),
+])
+def test_ids_past_the_native_range_parse(line, expected):
+    """Ids of 2**63 and more (beanstalkd's read_u64 takes them) parse in the compiled build too:
+    the delete fast path's native number must not narrow the other commands' ids."""
+    assert p.parse_line(line, 65535) == expected
+
+
 def test_find_cr_at_every_position():
     """Every CR position in a 300-byte packet (random data rarely puts the first CR far out), with
     windows that end before, at and past it."""
@@ -446,3 +459,23 @@ def test_find_cr_at_every_position():
             for end in (pos, pos + 1, 300, 400):
                 if start <= end:
                     assert p.find_cr(data, start, end) == data.find(b"\r", start, end), (pos, start, end)
+
+
+def test_ready_heap_widens_for_ids_past_the_narrow_form(queue):
+    """Ready-heap entries shift the priority by READY_BITS until an id needs more; the heap is then
+    re-encoded. Reserves stay in (priority, id) order across the change, with stale entries in it."""
+    narrow = 2**READY_BITS
+    c = Conn(queue)
+    queue.next_id = narrow - 4
+    ids = {body: c.put(body, pri=pri) for body, pri in
+           [(b"a", 5), (b"b", 2**32 - 1), (b"c", 5), (b"d", 0)]}  # ids narrow-4 .. narrow-1: narrow entries
+    released = job_id(c.reserve())  # d: its entry leaves the heap; released again below with a new priority
+    assert released == ids[b"d"]
+    tube = queue.tube_by_name["default"]
+    assert tube.ready_shift == READY_BITS
+    ids[b"e"] = c.put(b"e", pri=5)  # id 2**READY_BITS: the heap widens
+    assert tube.ready_shift == 64 and ids[b"e"] == narrow
+    assert queue_verbs.release(queue, c.client, released, 2**32 - 1, 0) == p.RELEASED
+    ids[b"f"] = c.put(b"f", pri=0)
+    order = [job_id(c.reserve()) for _ in range(6)]
+    assert order == [ids[b"f"], ids[b"a"], ids[b"c"], ids[b"e"], ids[b"b"], ids[b"d"]]

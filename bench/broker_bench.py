@@ -516,6 +516,7 @@ def main(argv=None) -> int:
                 else:
                     msg = (f"{data['ops_per_s']:>9.0f} ops/s p50 {data['lat_us']['p50']:>8.0f}us "
                            f"p99 {data['lat_us']['p99']:>8.0f}us srv {data.get('server_cpu_us_per_op', 0):5.1f}us/op "
+                           f"{data.get('server_cpu_pct', 0):3.0f}% "
                            f"gen {data['client_cpu_pct']:4.0f}% load {data['loadavg_1m'][1]:.2f}"
                            + (f" replies/read {data['io']['replies_per_read']:.1f}" if "io" in data else "")
                            + (f" ERR {data['errors']}+{data['conn_errors']} {data['first_error']}"

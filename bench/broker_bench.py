@@ -192,6 +192,8 @@ def summarize(runs: list[dict]) -> dict:
         "client_cpu_pct_max": max(r.get("client_cpu_pct", 0) for r in ok),
         "errors": sum(r.get("errors", 0) + r.get("conn_errors", 0) for r in ok),
         "ops_per_s_all": [round(r["ops_per_s"]) for r in ok],
+        # how the load generator's reads were cut: replies per recv() (see loadgen.c, "io")
+        "replies_per_read": med([r.get("io", {}).get("replies_per_read") for r in ok]),
     }
 
 
@@ -516,7 +518,9 @@ def main(argv=None) -> int:
                 else:
                     msg = (f"{data['ops_per_s']:>9.0f} ops/s p50 {data['lat_us']['p50']:>8.0f}us "
                            f"p99 {data['lat_us']['p99']:>8.0f}us srv {data.get('server_cpu_us_per_op', 0):5.1f}us/op "
+                           f"{data.get('server_cpu_pct', 0):3.0f}% "
                            f"gen {data['client_cpu_pct']:4.0f}% load {data['loadavg_1m'][1]:.2f}"
+                           + (f" replies/read {data['io']['replies_per_read']:.1f}" if "io" in data else "")
                            + (f" ERR {data['errors']}+{data['conn_errors']} {data['first_error']}"
                               if data['errors'] or data['conn_errors'] else ""))
                 print(f"  {workload:5} c={conns:<3} d={depth:<2} rep {rep + 1} {kind:10} {msg}", file=sys.stderr)

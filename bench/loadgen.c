@@ -59,6 +59,7 @@ typedef struct {
     int owe_reserve;   /* cycle: a put was sent, its reserve not yet */
     int done;          /* drain: got TIMED_OUT, send no more reserves */
     int want_out;
+    int unsent;        /* commands queued in wbuf since the last send */
 } conn_t;
 
 /* ---------- options ---------- */
@@ -82,6 +83,22 @@ static long long ops_total, ops_win, jobs_win, jobs_total;
 static long long err_count, timed_out, conn_errors, deadline_soon;
 static char first_err[128];
 static uint64_t t_win_start, t_win_end, t_last_reply;
+
+/* ---------- I/O shape (measured window only) ----------
+ * How the byte stream is cut: replies per recv() and commands per send(), as log2 buckets
+ * 0, 1, 2, 3-4, 5-8, ..., 129-256, 257+ (a recv holding no complete reply counts as 0).
+ * Both servers are judged by the same counters: a server answering a packet of N commands
+ * with one write shows up as N replies per read here. */
+#define IOB 11
+static long long rd_calls, rd_bytes, rd_replies, wr_calls, wr_cmds, wakeups;
+static long long rd_hist[IOB], wr_hist[IOB];
+static inline int io_bucket(long long n) {
+    if (n <= 0) return 0;
+    int b = 1;
+    long long lim = 1;
+    while (n > lim && b < IOB - 1) { lim <<= 1; b++; }
+    return b;
+}
 
 /* ---------- histogram ---------- */
 #define SUBB 6
@@ -182,6 +199,7 @@ static inline void push_cmd(conn_t *c, int kind, uint64_t t) {
     c->ts[i] = t;
     c->kind[i] = (uint8_t)kind;
     c->count++;
+    c->unsent++;
 }
 
 static void conn_fail(conn_t *c, const char *why) {
@@ -206,6 +224,12 @@ static void flush(conn_t *c) {
         ssize_t n = send(c->fd, c->wbuf + c->woff, c->wlen - c->woff, MSG_NOSIGNAL);
         if (n > 0) {
             c->woff += (size_t)n;
+            if (measuring) {
+                wr_calls++;
+                wr_cmds += c->unsent;
+                wr_hist[io_bucket(c->unsent)]++;
+            }
+            c->unsent = 0;
         } else if (n < 0 && errno == EINTR) {
             continue;
         } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -342,7 +366,14 @@ static void on_readable(conn_t *c, uint64_t t) {
         ssize_t n = recv(c->fd, c->rbuf + c->rlen, c->rcap - c->rlen, 0);
         if (n > 0) {
             c->rlen += (size_t)n;
+            long long before = ops_total;
             if (parse(c, t) < 0) { conn_fail(c, "unexpected reply"); return; }
+            if (measuring) {
+                rd_calls++;
+                rd_bytes += n;
+                rd_replies += ops_total - before;
+                rd_hist[io_bucket(ops_total - before)]++;
+            }
             if ((size_t)n < c->rcap - c->rlen) return; /* probably drained the socket */
             continue;
         }
@@ -549,6 +580,7 @@ int main(int argc, char **argv) {
             die("epoll_wait");
         }
         t = now_ns();
+        if (measuring && n > 0) wakeups++;
         for (int i = 0; i < n; i++) {
             conn_t *c = evs[i].data.ptr;
             if (!c->alive) continue;
@@ -585,6 +617,15 @@ int main(int argc, char **argv) {
                opt_pid, s_us, 100.0 * s_us / (secs * 1e6), ops_win ? s_us / (double)ops_win : 0.0,
                ops_win ? u_us / (double)ops_win : 0.0, ops_win ? (s_us - u_us) / (double)ops_win : 0.0);
     }
-    printf("}\n");
+    printf(", \"io\": {\"reads\": %lld, \"read_bytes\": %lld, \"replies_per_read\": %.2f, \"bytes_per_read\": %.1f, "
+           "\"writes\": %lld, \"cmds_per_write\": %.2f, \"wakeups\": %lld, \"buckets\": \"0,1,2,3-4,5-8,9-16,17-32,33-64,"
+           "65-128,129-256,257+\", \"read_hist\": [",
+           rd_calls, rd_bytes, rd_calls ? (double)rd_replies / (double)rd_calls : 0.0,
+           rd_calls ? (double)rd_bytes / (double)rd_calls : 0.0, wr_calls,
+           wr_calls ? (double)wr_cmds / (double)wr_calls : 0.0, wakeups);
+    for (int i = 0; i < IOB; i++) printf("%s%lld", i ? ", " : "", rd_hist[i]);
+    printf("], \"write_hist\": [");
+    for (int i = 0; i < IOB; i++) printf("%s%lld", i ? ", " : "", wr_hist[i]);
+    printf("]}}\n");
     return (conn_errors || err_count) ? 1 : 0;
 }

@@ -114,6 +114,29 @@ def test_a_64_deep_packet_is_answered_with_one_write() -> None:
     run(body)
 
 
+def test_one_client_pipelining_put_reserve_delete_keeps_its_jobs_in_pages() -> None:
+    """The load generator's cycle at one connection, depth 64: each packet deletes every job the
+    previous one reserved, then puts and reserves more, so the job table empties once a packet.
+    Its ids must stay in the table's pages: in its overflow every look-up missed the pages
+    through a caught exception, and this row cost twice the instructions of 50 connections."""
+    async def body() -> None:
+        server = make_server()
+        conn, t = connect(server)
+        reserved: list[bytes] = []
+        for _ in range(6):
+            packet = b"".join(b"delete %s\r\n" % job_id for job_id in reserved)
+            packet += b"put 0 0 60 1\r\nx\r\nreserve\r\n" * 20
+            conn.data_received(packet)
+            assert t.writes == 1
+            replies = t.take().split(b"\r\n")
+            assert replies.count(b"DELETED") == len(reserved)
+            reserved = [line.split()[1] for line in replies if line.startswith(b"RESERVED")]
+            assert len(reserved) == 20 and len(server.queue.jobs) == 20
+            assert server.queue.jobs.footprint() == (1, 0), "ids spilled into the overflow dict"
+            t.writes = 0
+    run(body)
+
+
 SCRIPT = (b"use jobs\r\nwatch jobs\r\nput 1 0 60 3\r\nabc\r\nput 0 0 60 0\r\n\r\nreserve\r\n"
           b"release 2 9 0\r\nreserve-with-timeout 0\r\nbury 2 3\r\nput 0 0 60 2\r\nxyz\r\n"
           b"stats-job 1\r\nkick 5\r\npeek-ready\r\ndelete 1\r\nlist-tube-used\r\nbogus\r\nquit\r\n")

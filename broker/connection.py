@@ -447,7 +447,7 @@ class BrokerConnection(asyncio.Protocol):
             cmd = decoder.next_command()
             if cmd is None:
                 break
-            name = cmd.name
+            name = cmd[0]  # a put or delete record is a plain tuple (see protocol.Put)
             if isinstance(cmd, p.Auth):
                 reply = self._check_token(cmd.token)
                 if not self.closing:

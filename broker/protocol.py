@@ -18,6 +18,9 @@ command tuples exactly as beanstalkd 1.12 reads it, quirks included, because cli
 
 Each command is a named record (a NamedTuple, so it still reads and compares as a tuple)
 whose first field is the command name (interned str); see :meth:`Decoder.next_command`.
+The two made for every command, a complete put (:class:`Put`) and a delete (:class:`IdArg`),
+are built as plain tuples of the same fields: their readers index or unpack them, never use
+the field names.
 """
 from __future__ import annotations
 

@@ -139,9 +139,6 @@ Command = Bare | IdArg | TubeArg | IntArg | Release | Bury | PauseTube | PutLine
 LineCache = dict[bytes, LineCommand]
 LINE_CACHE_SIZE: Final = 4096
 TOO_BIG: Final = Bare("too-big")
-# Records made per command (a put's body, a delete's id) are built with tuple.__new__: the
-# NamedTuple constructor is a Python-level function, several times slower than this.
-# Final: compiled, a C static rather than a look-up in the module's dict.
 # Compiled, the decoder finds a line's CR with a native loop (find_cr) instead of bytes.find, which
 # parses its arguments through the C API: ~800 instructions a call, for lines of 10-30 bytes.
 # Interpreted, bytes.find stays (a Python loop costs more per byte than the call).
@@ -164,6 +161,9 @@ def find_cr(data: bytes, start: int, end: int) -> int:
     return -1
 
 
+# Parsed lines that go into the line cache (PutLine) and the rarer per-command records are built
+# with tuple.__new__: the NamedTuple constructor is a Python-level function, several times slower.
+# (A complete put and a delete are plain tuples, see Put.) Final: compiled, a C static.
 _new: Final = tuple.__new__
 
 # Replies (constants; formatted ones are built where used).

@@ -267,6 +267,8 @@ class Tube:
         "ready",
         "ready_count",
         "ready_mask",
+        "ready_run",
+        "ready_run_at",
         "ready_shift",
         "refs",
         "reserved_count",
@@ -284,6 +286,11 @@ class Tube:
         self.name_bytes = name.encode("latin-1")  # as the binlog and the replication stream write it
         self.jobs = jobs  # the queue's jobs by id: heap entries name their job by id
         self.ready: list[int] = []  # heap of (pri << ready_shift) | id; stale entries skipped
+        # Entries pushed in ascending order skip the heap: they queue in ``ready_run`` from index
+        # ``ready_run_at`` on, a sorted run whose head is compared with the heap's top. A backlog put
+        # at one priority (ids only grow) is then served in O(1) a job, not two log2(n) compares.
+        self.ready_run: list[int] = []
+        self.ready_run_at = 0
         self.ready_shift = READY_BITS  # ID_BITS once an id of 2**READY_BITS or more came in
         self.ready_mask = (1 << READY_BITS) - 1
         self.ready_count = 0
@@ -317,6 +324,9 @@ class Tube:
         if self.ready_shift != ID_BITS:
             narrow, mask = self.ready_shift, self.ready_mask
             self.ready = [((entry >> narrow) << ID_BITS) | (entry & mask) for entry in self.ready]
+            self.ready_run = [((entry >> narrow) << ID_BITS) | (entry & mask)
+                              for entry in self.ready_run[self.ready_run_at:]]
+            self.ready_run_at = 0
             self.ready_shift = ID_BITS
             self.ready_mask = ID_MASK
 
@@ -328,18 +338,58 @@ class Tube:
         job = self.jobs.get(entry & ID_MASK)
         return job is not None and job.state == DELAYED and job.tube is self and job.deadline == entry >> ID_BITS
 
-    def ready_top(self) -> Job | None:
-        """The job of the top live entry of the ready heap (stale ones above it are dropped)."""
+    def push_ready(self, entry: int) -> None:
+        """Queue a ready entry (from :meth:`ready_entry`): on the run if it sorts after the run's
+        last entry, else on the heap."""
+        run = self.ready_run
+        if not run or entry > run[-1]:
+            run.append(entry)
+        else:
+            heappush(self.ready, entry)
+
+    def _top_in_run(self) -> bool:
+        """Whether the least entry is the run's head (False: the heap's top; either if both are empty)."""
+        at = self.ready_run_at
+        run = self.ready_run
+        if at >= len(run):
+            return False
         heap = self.ready
+        return not heap or run[at] < heap[0]
+
+    def drop_ready_top(self) -> None:
+        """Remove the least entry (the one :meth:`ready_top` looked at last)."""
+        if not self._top_in_run():
+            heappop(self.ready)
+            return
+        at = self.ready_run_at + 1
+        run = self.ready_run
+        if at == len(run):
+            run.clear()
+            at = 0
+        elif at >= 1024 and 2 * at >= len(run):  # amortized O(1): the served prefix goes in one move
+            del run[:at]
+            at = 0
+        self.ready_run_at = at
+
+    def ready_entries(self) -> int:
+        """Heap and run entries, stale ones included."""
+        return len(self.ready) + len(self.ready_run) - self.ready_run_at
+
+    def ready_top(self) -> Job | None:
+        """The job of the least live entry of the ready heap and run (stale ones before it are dropped)."""
         jobs = self.jobs
         shift, mask = self.ready_shift, self.ready_mask
-        while heap:
-            entry = heap[0]
+        while True:
+            if self._top_in_run():
+                entry = self.ready_run[self.ready_run_at]
+            elif self.ready:
+                entry = self.ready[0]
+            else:
+                return None
             job = jobs.get(entry & mask)  # ready_live, inlined: this is the reserve path
             if job is not None and job.state == READY and job.tube is self and job.pri == entry >> shift:
                 return job
-            heappop(heap)
-        return None
+            self.drop_ready_top()
 
     def delayed_top(self) -> Job | None:
         heap = self.delayed
@@ -351,10 +401,13 @@ class Tube:
         return None
 
     def prune_ready(self) -> None:
-        """Rebuild the ready heap once stale entries outnumber live ones."""
-        heap = self.ready
-        if len(heap) > 2 * self.ready_count + 64:
-            self.ready = _rebuilt([e for e in heap if self.ready_live(e)])
+        """Rebuild the ready heap and run once stale entries outnumber live ones."""
+        if self.ready_entries() > 2 * self.ready_count + 64:
+            run = [e for e in self.ready_run[self.ready_run_at:] if self.ready_live(e)]  # still sorted
+            in_run = set(run)
+            self.ready = _rebuilt([e for e in self.ready if e not in in_run and self.ready_live(e)])
+            self.ready_run = run
+            self.ready_run_at = 0
 
     def prune_delayed(self) -> None:
         heap = self.delayed
@@ -383,6 +436,7 @@ class Client:
         "producer",
         "reserved",
         "tick_at",
+        "ttr_armed",
         "use",
         "waiting",
         "watch",
@@ -397,6 +451,9 @@ class Client:
         self.waiting = False
         self.pending_timeout = -1
         self.tick_at = 0
+        # The deadline of this client's one live TTR timer entry (0: none). Like beanstalkd, the
+        # timer heap holds a connection's soonest deadline, not an entry per reserved job.
+        self.ttr_armed = 0
         self.producer = False
         self.worker = False
         self.deliver = deliver

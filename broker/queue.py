@@ -216,8 +216,7 @@ class Queue:
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            entry = tube.ready_entry(job.pri, job.id)  # first: it may replace tube.ready (widening)
-            heappush(tube.ready, entry)
+            tube.push_ready(tube.ready_entry(job.pri, job.id))
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -265,7 +264,7 @@ class Queue:
         job.tube.reserved_count += 1
         self.reserved_ct += 1
         client.pending_timeout = -1
-        self.timers.push(deadline, TTR_EXPIRY, job)
+        self.arm_ttr(client, deadline)
         if self.listening:
             self.listener.job_reserved(job)
 
@@ -280,6 +279,32 @@ class Queue:
         elif len(client.deadlines) > 2 * len(reserved) + 64:
             client.deadlines = [e for e in client.deadlines if e[2].reserver is client and e[2].state == RESERVED]
             heapq.heapify(client.deadlines)
+
+    def arm_ttr(self, client: Client, deadline: int) -> None:
+        """Make ``deadline`` the client's TTR timer unless an earlier one stands (an entry that
+        comes due early finds nothing expired and arms the next deadline)."""
+        armed = client.ttr_armed
+        if not armed or deadline < armed:
+            client.ttr_armed = deadline
+            self.timers.push(deadline, TTR_EXPIRY, client)
+
+    def expire_reserved(self, client: Client, now: int) -> None:
+        """The client's TTR timer came due: every job it holds past its deadline goes back to
+        ready (oldest deadline first, as beanstalkd's conntimeout), then the next deadline is armed."""
+        client.ttr_armed = 0
+        while client.reserved:
+            soonest = client.soonest_deadline()  # drops stale entries
+            if soonest is None:
+                return
+            if soonest > now:
+                self.arm_ttr(client, soonest)
+                return
+            job = heappop(client.deadlines)[2]
+            self.timeout_ct += 1
+            job.timeouts += 1
+            self._unreserve(client, job)
+            self._enqueue(job, 0, now)
+            self.listener.job_updated(job)
 
     # -- waiting clients -------------------------------------------------------------
     def _start_waiting(self, client: Client) -> None:
@@ -346,8 +371,8 @@ class Queue:
     def _timer_is_current(self, when: int, kind: int, owner: object) -> bool:
         """Whether a timer entry still stands (its owner: a Job, a Client or a Tube, by kind)."""
         if kind == TTR_EXPIRY:
-            job = cast(Job, owner)
-            return job.state == RESERVED and job.deadline == when
+            client = cast(Client, owner)
+            return client.ttr_armed == when and not client.closed
         if kind == DELAYED_READY:
             job = cast(Job, owner)
             return job.state == DELAYED and job.deadline == when
@@ -499,7 +524,7 @@ class Queue:
         job = best
         tube = job.tube
         tube.waiting.last_use = 1
-        heappop(tube.ready)  # best is its tube's top entry: no stale entry is left behind
+        tube.drop_ready_top()  # best is its tube's least entry: no stale entry is left behind
         self._remove_ready(job)
         self._reserve(client, job, now)
         return job_reply(b"RESERVED", job)

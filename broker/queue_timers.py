@@ -28,12 +28,7 @@ def tick(queue: Queue) -> None:
             queue._remove_delayed(job)
             queue._enqueue(job, 0, now)
         elif kind == TTR_EXPIRY:
-            job = cast(Job, owner)
-            queue.timeout_ct += 1
-            job.timeouts += 1
-            queue._unreserve(cast(Client, job.reserver), job)
-            queue._enqueue(job, 0, now)
-            queue.listener.job_updated(job)
+            queue.expire_reserved(cast(Client, owner), now)
         elif kind == CLIENT_TICK:
             queue._client_tick(cast(Client, owner), now)
         else:

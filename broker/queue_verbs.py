@@ -12,7 +12,7 @@ from collections.abc import Callable
 from broker import protocol as p
 from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Client, Job, heappush, job_reply
 from broker.queue import Queue
-from broker.timers import TTR_EXPIRY, TUBE_UNPAUSE
+from broker.timers import TUBE_UNPAUSE
 
 
 def connect(queue: Queue, deliver: Callable[[bytes], None], peer: str = "") -> Client:
@@ -101,7 +101,7 @@ def touch(queue: Queue, client: Client, job_id: int) -> bytes:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS
     heappush(client.deadlines, (deadline, job_id, job))
-    queue.timers.push(deadline, TTR_EXPIRY, job)
+    queue.arm_ttr(client, deadline)  # an earlier entry stands mostly: it finds this job not due and re-arms
     return p.TOUCHED
 
 

@@ -1,6 +1,6 @@
 """One heap of deadlines for everything that happens at a time.
 
-Delayed jobs becoming ready, reserved jobs running out of TTR, blocked reserves timing
+Delayed jobs becoming ready, a connection's soonest TTR deadline, blocked reserves timing
 out or entering DEADLINE_SOON, paused tubes resuming: all are entries here, not a task
 or timer handle each. Entries are never removed when their owner changes its mind;
 instead each entry carries the deadline it was pushed with and the owner says, when

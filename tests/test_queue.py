@@ -103,6 +103,35 @@ def test_touch_postpones_ttr(queue, clock):
     assert b"state: reserved" in broker_stats.stats_job(queue, c.client, jid)
 
 
+def test_ttr_timer_is_one_entry_a_connection_and_expires_each_job_on_time(queue, clock):
+    """The timer heap holds a connection's soonest TTR deadline, not an entry per reserve (as
+    beanstalkd's connection heap): a later reserve with an earlier deadline re-arms it, an
+    entry that comes due early (its job touched or deleted) expires nothing and arms the next."""
+    c = Conn(queue)
+    long_id, short_id, mid_id = c.put(b"l", ttr=10), c.put(b"s", ttr=2), c.put(b"m", ttr=5)
+    for _ in range(3):
+        c.reserve()
+    for _ in range(200):  # reserve and delete in a loop: no timer entry a reserve
+        put = c.put(b"x", pri=9)
+        assert job_id(c.reserve(0)) == put
+        assert queue.delete(c.client, put) == p.DELETED
+    assert len(queue.timers) <= 3
+    states = {}
+
+    def state(jid: int) -> bytes:
+        return broker_stats.stats_job(queue, c.client, jid).split(b"state: ")[1].split(b"\n")[0]
+
+    clock.advance(1.5)
+    assert queue_verbs.touch(queue, c.client, short_id) == p.TOUCHED  # 2 s from now: t = 3.5
+    for at in [2.1, 3.6, 5.1, 10.1]:
+        clock.now = 1_000 * NS + int(at * NS)
+        queue_timers.tick(queue)
+        states[at] = (state(short_id), state(mid_id), state(long_id))
+    assert states == {2.1: (b"reserved", b"reserved", b"reserved"), 3.6: (b"ready", b"reserved", b"reserved"),
+                      5.1: (b"ready", b"ready", b"reserved"), 10.1: (b"ready", b"ready", b"ready")}
+    assert queue.timeout_ct == 3 and not c.client.reserved
+
+
 def test_ttr_zero_becomes_one_second(queue):
     c = Conn(queue)
     reply = queue.put(c.client, 0, 0, 0, b"x")
@@ -381,7 +410,7 @@ def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -
     for _ in range(500):
         assert queue_verbs.reserve_job(queue, c.client, job_id).startswith(b"RESERVED")
         assert queue_verbs.release(queue, c.client, job_id, 5, 0) == b"RELEASED\r\n"
-    assert len(tube.ready) <= 2 * tube.ready_count + 64 + 1
+    assert tube.ready_entries() <= 2 * tube.ready_count + 64 + 1
     assert c.reserve(0) == b"RESERVED %d 1\r\na\r\n" % first
     assert c.reserve(0) == b"RESERVED %d 1\r\nb\r\n" % job_id
     assert c.reserve(0) == p.TIMED_OUT
@@ -479,3 +508,69 @@ def test_ready_heap_widens_for_ids_past_the_narrow_form(queue):
     ids[b"f"] = c.put(b"f", pri=0)
     order = [job_id(c.reserve()) for _ in range(6)]
     assert order == [ids[b"f"], ids[b"a"], ids[b"c"], ids[b"e"], ids[b"b"], ids[b"d"]]
+
+
+_READY_OPS = st.lists(st.tuples(st.sampled_from(["put", "reserve", "release", "delete", "take", "bury_kick"]),
+                                st.sampled_from([0, 1, 5, 2**31])), max_size=120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_READY_OPS)
+def test_ready_heap_and_run_serve_least_priority_then_id(ops):
+    """Ready entries queue on a sorted run while they come in ascending order and on the heap
+    otherwise: whatever the mix of puts, releases, kicks (old ids back), deletes and reserve-jobs
+    of ready jobs (stale entries in both), a reserve serves the least (priority, id)."""
+    queue = Queue(FakeClock())
+    c = Conn(queue)
+    ready: dict[int, int] = {}  # id -> pri of the ready jobs: the model
+    held: list[int] = []
+    tube = queue.default_tube
+    for op, pri in ops:
+        if op == "put":
+            ready[c.put(b"x", pri=pri)] = pri
+        elif op == "reserve":
+            reply = c.reserve(0)
+            if not ready:
+                assert reply == p.TIMED_OUT
+                continue
+            best = min(ready, key=lambda i: (ready[i], i))
+            assert job_id(reply) == best
+            del ready[best]
+            held.append(best)
+        elif op == "release" and held:
+            victim = held.pop(0)
+            assert queue_verbs.release(queue, c.client, victim, pri, 0) == p.RELEASED
+            ready[victim] = pri
+        elif op in ("delete", "take") and ready:
+            victim = sorted(ready)[len(ready) // 2]
+            if op == "delete":
+                assert queue.delete(c.client, victim) == p.DELETED
+            else:
+                assert queue_verbs.reserve_job(queue, c.client, victim).startswith(b"RESERVED")
+                held.append(victim)
+            del ready[victim]
+        elif op == "bury_kick" and held:
+            victim = held.pop()
+            assert queue_verbs.bury(queue, c.client, victim, pri) == p.BURIED
+            assert queue_verbs.kick_job(queue, c.client, victim) == p.KICKED
+            ready[victim] = pri
+        assert tube.ready_count == len(ready)
+        assert tube.ready_entries() <= 2 * len(ready) + 64 + 1
+    order = [job_id(c.reserve(0)) for _ in range(len(ready))]
+    assert order == sorted(ready, key=lambda i: (ready[i], i))
+    assert c.reserve(0) == p.TIMED_OUT
+
+
+def test_stale_run_entries_are_pruned_and_the_rest_served_in_order() -> None:
+    """Deleting most of a backlog put in id order leaves stale entries on the run: the rebuild
+    drops them (entries stay within twice the ready jobs plus slack) and keeps the rest in order."""
+    queue = Queue(FakeClock())
+    c = Conn(queue)
+    ids = [c.put(b"x", pri=7) for _ in range(400)]
+    tube = queue.default_tube
+    assert tube.ready_entries() == 400 and not tube.ready  # ascending puts queue on the run only
+    for victim in ids[:300]:
+        assert queue.delete(c.client, victim) == p.DELETED
+    assert tube.ready_entries() <= 2 * 100 + 64 + 1
+    assert [job_id(c.reserve(0)) for _ in range(100)] == ids[300:]
+    assert c.reserve(0) == p.TIMED_OUT

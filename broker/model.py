@@ -272,6 +272,7 @@ class Tube:
         "ready_shift",
         "refs",
         "reserved_count",
+        "top_in_run",
         "total_deletes",
         "total_jobs",
         "unpause_at",
@@ -291,6 +292,7 @@ class Tube:
         # at one priority (ids only grow) is then served in O(1) a job, not two log2(n) compares.
         self.ready_run: list[int] = []
         self.ready_run_at = 0
+        self.top_in_run = False  # where ready_top found its entry: what drop_ready_top removes
         self.ready_shift = READY_BITS  # ID_BITS once an id of 2**READY_BITS or more came in
         self.ready_mask = (1 << READY_BITS) - 1
         self.ready_count = 0
@@ -308,15 +310,6 @@ class Tube:
         self.pause = 0  # ns; 0 = not paused
         self.unpause_at = 0
         self.refs = 0
-
-    def ready_entry(self, pri: int, job_id: int) -> int:
-        """The ready heap's entry for a job, ``(pri << ready_shift) | job_id``; an id too wide for
-        the heap's shift widens the heap first."""
-        shift = self.ready_shift
-        if job_id >> shift:
-            self.widen_ready()
-            shift = ID_BITS
-        return (pri << shift) | job_id
 
     def widen_ready(self) -> None:
         """Re-encode the ready heap with ID_BITS for the id: the map keeps the order, so the
@@ -338,27 +331,24 @@ class Tube:
         job = self.jobs.get(entry & ID_MASK)
         return job is not None and job.state == DELAYED and job.tube is self and job.deadline == entry >> ID_BITS
 
-    def push_ready(self, entry: int) -> None:
-        """Queue a ready entry (from :meth:`ready_entry`): on the run if it sorts after the run's
-        last entry, else on the heap."""
+    def push_ready(self, pri: int, job_id: int) -> None:
+        """Queue a ready job's entry ``(pri << ready_shift) | job_id`` (an id too wide for the
+        shift widens the heap first): on the run if it sorts after the run's last entry, else on
+        the heap."""
+        shift = self.ready_shift
+        if job_id >> shift:
+            self.widen_ready()
+            shift = ID_BITS
+        entry = (pri << shift) | job_id
         run = self.ready_run
         if not run or entry > run[-1]:
             run.append(entry)
         else:
             heappush(self.ready, entry)
 
-    def _top_in_run(self) -> bool:
-        """Whether the least entry is the run's head (False: the heap's top; either if both are empty)."""
-        at = self.ready_run_at
-        run = self.ready_run
-        if at >= len(run):
-            return False
-        heap = self.ready
-        return not heap or run[at] < heap[0]
-
     def drop_ready_top(self) -> None:
-        """Remove the least entry (the one :meth:`ready_top` looked at last)."""
-        if not self._top_in_run():
+        """Remove the entry :meth:`ready_top` returned last (it says whether that was the run's head)."""
+        if not self.top_in_run:
             heappop(self.ready)
             return
         at = self.ready_run_at + 1
@@ -378,12 +368,16 @@ class Tube:
     def ready_top(self) -> Job | None:
         """The job of the least live entry of the ready heap and run (stale ones before it are dropped)."""
         jobs = self.jobs
+        heap, run = self.ready, self.ready_run
         shift, mask = self.ready_shift, self.ready_mask
         while True:
-            if self._top_in_run():
-                entry = self.ready_run[self.ready_run_at]
-            elif self.ready:
-                entry = self.ready[0]
+            at = self.ready_run_at
+            if at < len(run) and (not heap or run[at] < heap[0]):
+                entry = run[at]
+                self.top_in_run = True
+            elif heap:
+                entry = heap[0]
+                self.top_in_run = False
             else:
                 return None
             job = jobs.get(entry & mask)  # ready_live, inlined: this is the reserve path

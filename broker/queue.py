@@ -216,7 +216,7 @@ class Queue:
             self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
-            tube.push_ready(tube.ready_entry(job.pri, job.id))
+            tube.push_ready(job.pri, job.id)
             job.state = READY
             tube.ready_count += 1
             self.ready_ct += 1
@@ -264,7 +264,9 @@ class Queue:
         job.tube.reserved_count += 1
         self.reserved_ct += 1
         client.pending_timeout = -1
-        self.arm_ttr(client, deadline)
+        armed = client.ttr_armed
+        if not armed or deadline < armed:  # arm_ttr's test: a reserve rarely needs the call
+            self.arm_ttr(client, deadline)
         if self.listening:
             self.listener.job_reserved(job)
 

@@ -99,8 +99,7 @@ class Restorer:
             self.delayed += 1
             self.queue.timers.push(deadline, _DELAYED_READY, job)
         else:
-            entry = tube.ready_entry(pri, job_id)  # first: it may replace tube.ready (widening)
-            tube.ready.append(entry)
+            tube.push_ready(pri, job_id)  # ids in order (the usual binlog) queue on the run: no heapify
             job.state = _READY
             tube.ready_count += 1
             self.ready += 1

@@ -3,8 +3,8 @@
 ``broker.binlog_recovery`` reads plain records in one loop per segment when interpreted
 (``BATCH``) and one call per record when compiled. Both ways exist in both builds: here the
 same logs are recovered both ways and everything a client or the binlog can observe must be
-equal: every field of every job, the ready and delayed heaps as lists (so the order of
-reserves), buried order, tube order, the queue's counts, the scan's result and the
+equal: every field of every job, the ready entries in order (heap and run: the order of
+reserves), the delayed heap as a list, buried order, tube order, the queue's counts, the scan's result and the
 per-segment id lists that compaction uses.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _recover(directory: str, batch: bool, wall_off: int, ignore_damage: bool = F
         shutil.rmtree(work, ignore_errors=True)
     jobs = [(job.tube.name, *(getattr(job, f) for f in JOB_FIELDS), job.reserver, job.delay)
             for job in queue.jobs.values()]
-    tubes = [(t.name, t.ready, t.delayed, [j.id for j in t.buried.values()], t.ready_count, t.urgent_count,
+    tubes = [(t.name, sorted(t.ready + t.ready_run[t.ready_run_at:]), t.delayed, [j.id for j in t.buried.values()], t.ready_count, t.urgent_count,
               t.delayed_count, t.refs) for t in queue.tubes.items]
     counts = (queue.ready_ct, queue.urgent_ct, queue.delayed_ct, queue.held_bytes, queue.next_id, queue.buried_ct)
     segments = ({k: list(v) for k, v in tally.home_ids.items()}, tally.live, tally.jobs, tally.buried, tally.bytes)

@@ -558,32 +558,3 @@ class Queue:
             self.listener.job_deleted(job)
         self._unref(tube)
         return p.DELETED
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-    # -- recovery (broker.queue_restore) ------------------------------------------------------------
-
-
-
-    # -- replication apply (used by broker.replication.follower) ---------------------------------
-    # A replica changes its queue only through these, from the leader's log records; each tells
-    # the listener (the replica's own binlog) as a command would.
-
-
-
-

@@ -51,6 +51,7 @@ READY_BITS: Final = 30
 
 
 def heap_entry(key: int, job_id: int) -> int:
+    """A delay-heap entry (the ready heap's narrower form is :meth:`Tube.push_ready`'s)."""
     return (key << ID_BITS) | job_id
 
 

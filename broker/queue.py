@@ -26,7 +26,6 @@ from broker.model import (
     BURIED,
     COMPILED,
     DELAYED,
-    ID_BITS,
     INVALID,
     NS,
     READY,
@@ -38,6 +37,7 @@ from broker.model import (
     Job,
     SwapSet,
     Tube,
+    heap_entry,
     heappop,
     heappush,
     job_reply,
@@ -210,7 +210,7 @@ class Queue:
         tube = job.tube
         if delay:
             job.deadline = now + delay
-            heappush(tube.delayed, (job.deadline << ID_BITS) | job.id)  # heap_entry, inlined
+            heappush(tube.delayed, heap_entry(job.deadline, job.id))
             job.state = DELAYED
             tube.delayed_count += 1
             self.delayed_ct += 1

@@ -15,7 +15,7 @@ import heapq
 from typing import Final, NamedTuple
 
 from broker import queue_apply
-from broker.model import ID_BITS, shared_int
+from broker.model import heap_entry, shared_int
 from broker.queue import BURIED, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
 from broker.timers import DELAYED_READY
 
@@ -93,7 +93,7 @@ class Restorer:
             queue_apply.restore_buried(self.queue, job)
         elif state == _DELAYED and deadline > self.now:
             job.deadline = deadline
-            tube.delayed.append((deadline << ID_BITS) | job_id)  # heap_entry, inlined
+            tube.delayed.append(heap_entry(deadline, job_id))
             job.state = _DELAYED
             tube.delayed_count += 1
             self.delayed += 1

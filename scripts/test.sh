@@ -36,12 +36,16 @@ if cc --version >/dev/null 2>&1 && [ -z "${SPARK_BEANSTALK_NO_COMPILE:-}" ]; the
     || { echo "the broker core did not compile (see the pip output above); SPARK_BEANSTALK_NO_COMPILE=1 skips the compile on purpose" >&2; exit 1; }
 fi
 bash scripts/lint.sh  # ruff + mypy --strict over the gated paths; an error stops the run here
-python3 -m pytest -m "not slow" -p no:cacheprovider "$@"
+# Two workers (pytest-xdist): the suite mostly waits (servers, timers, Spark), so a second worker
+# halves the wall clock. --dist loadgroup + tests/conftest.py keep every test of the `spark` fixture
+# on one worker (one SparkSession, one JVM) and each other module whole. TEST_WORKERS=0: serial.
+XDIST=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
+python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider "$@"
 # The install compiled the broker core (mypyc) if it could: then the protocol suites run a second
 # time on the interpreted core, which is what machines without a C compiler get.
 if [ $# -eq 0 ] && python3 -c 'import sys; from broker import _build; sys.exit(0 if _build.inspect_build().compiled else 1)'; then
   echo "== again with SPARK_BEANSTALK_PURE=1 (interpreted broker core)"
-  SPARK_BEANSTALK_PURE=1 exec python3 -m pytest -m "not slow" -p no:cacheprovider -k "not beanstalkd" \
+  SPARK_BEANSTALK_PURE=1 exec python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider -k "not beanstalkd" \
     tests/differential tests/test_greenstalk_e2e.py tests/test_fuzz.py tests/test_binlog_crash.py tests/test_queue.py \
     tests/test_jobtable.py tests/test_binlog_recovery.py tests/test_binlog_differential.py tests/test_server_inprocess.py tests/test_binlog_batch.py
 fi

@@ -16,6 +16,20 @@ def pytest_report_header(config) -> str:
     return f"broker core: {_build.describe()}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (it renames the node ids)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under `pytest -n 2 --dist loadgroup` (scripts/test.sh): every test that uses the `spark`
+    fixture runs on one worker, so one SparkSession (one JVM) serves the whole session; every
+    other module stays whole on one worker, so its module-scoped servers start once and the
+    differential suite's fresh-pair prefetch starts only pairs it will use."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "spark" if "spark" in item.fixturenames else item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _start(kind: str, extra_args=()) -> ServerProcess:
     factory = broker_process if kind == "ours" else beanstalkd_process
     return factory(extra_args=list(extra_args)).start()

@@ -319,7 +319,7 @@ class Tube:
             narrow, mask = self.ready_shift, self.ready_mask
             self.ready = [((entry >> narrow) << ID_BITS) | (entry & mask) for entry in self.ready]
             self.ready_run = [((entry >> narrow) << ID_BITS) | (entry & mask)
-                              for entry in self.ready_run[self.ready_run_at:]]
+                              for entry in self.run_entries()]
             self.ready_run_at = 0
             self.ready_shift = ID_BITS
             self.ready_mask = ID_MASK
@@ -362,6 +362,10 @@ class Tube:
             at = 0
         self.ready_run_at = at
 
+    def run_entries(self) -> list[int]:
+        """The run's entries not served yet, in order (a copy)."""
+        return self.ready_run[self.ready_run_at:]
+
     def ready_entries(self) -> int:
         """Heap and run entries, stale ones included."""
         return len(self.ready) + len(self.ready_run) - self.ready_run_at
@@ -398,7 +402,7 @@ class Tube:
     def prune_ready(self) -> None:
         """Rebuild the ready heap and run once stale entries outnumber live ones."""
         if self.ready_entries() > 2 * self.ready_count + 64:
-            run = [e for e in self.ready_run[self.ready_run_at:] if self.ready_live(e)]  # still sorted
+            run = [e for e in self.run_entries() if self.ready_live(e)]  # still sorted
             in_run = set(run)
             self.ready = _rebuilt([e for e in self.ready if e not in in_run and self.ready_live(e)])
             self.ready_run = run

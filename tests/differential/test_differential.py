@@ -61,9 +61,10 @@ def _server_args(args, tmp_path_factory):
 
 
 def _start_pair(args=(), tmp_path_factory=None):
+    ref_args, cand_args = _server_args(args, tmp_path_factory), _server_args(args, tmp_path_factory)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        ref = pool.submit(start_server, "beanstalkd", extra_args=_server_args(args, tmp_path_factory))
-        cand = pool.submit(start_server, CANDIDATE, extra_args=_server_args(args, tmp_path_factory))
+        ref = pool.submit(start_server, "beanstalkd", extra_args=ref_args)
+        cand = pool.submit(start_server, CANDIDATE, extra_args=cand_args)
         procs = []
         try:
             for f in (ref, cand):
@@ -128,6 +129,10 @@ def fresh_pairs(request, tmp_path_factory):
         c = callspec.params.get("case") if callspec else None
         if c is not None and getattr(c, "fresh", False):
             selected.append(c)
+    # The base directory is made on first use, and under xdist that first use empties it: made
+    # here, before the prefetch thread's mktemp, two threads cannot race on it (a case then found
+    # its binlog directory gone: the flaky binlog_restart_* cases).
+    tmp_path_factory.getbasetemp()
     pairs = _FreshPairs(selected, tmp_path_factory)
     yield pairs
     pairs.close()

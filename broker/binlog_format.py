@@ -104,6 +104,20 @@ JOB_FIELDS = struct.Struct("<I5x" + JOB.format[2:])  # frame and fixed part, crc
 # The interpreted recovery's batch loop: JOB_FIELDS without the deadline (a ready job has
 # none) and with the five counters as one 20-byte string (zeros for nearly every job).
 JOB_BATCH_FIELDS = struct.Struct("<I5xQBIqqq8x20sB")
+
+
+def plain_job_fields(tube_len: int) -> struct.Struct:
+    """The batch loop's look at a K_JOB record of a tube whose name is ``tube_len`` bytes:
+    (length, id, state, pri, delay, tail), ``tail`` the five counters, the name's length and the
+    name as one string: one compare tells a plain job of that tube (:func:`plain_job_tail`)."""
+    return struct.Struct(f"<I5xQBIq24x{21 + tube_len}s")
+
+
+def plain_job_tail(tube: bytes) -> bytes:
+    """The ``tail`` of :func:`plain_job_fields` for a job of ``tube`` with no counters."""
+    return NO_COUNTER_BYTES + bytes((len(tube),)) + tube
+
+
 _STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size,
                  HEAD.size, JOB_FIELDS.size, JOB_BATCH_FIELDS.size)
 if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE, DELETE_RECORD_SIZE,

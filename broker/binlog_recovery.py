@@ -9,24 +9,26 @@ segment, is damage: :class:`BinlogError` (refuse to start) unless ``ignore_damag
 
 Restoring (:func:`restore_records`) decodes only the latest record of each live job, as
 :class:`RecoveredJob` records in log order (buried jobs last, in the order they were
-buried), letting go of each segment's bytes once its jobs are out.
+buried), letting go of each segment's bytes once its jobs are out. The interpreted build
+leaves plain ready jobs unmade until first used (:mod:`broker.binlog_lazy`), keeping the
+bytes of their segments until then.
 """
 from __future__ import annotations
 
 import os
+import struct
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
-from broker.model import ID_BITS, NS, URGENT_THRESHOLD, ready_job, shared_int
-from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY, Job, Tube
+from broker.binlog_lazy import LOC_BITS, LazyJobs, recovered_created
+from broker.model import ID_BITS, URGENT_THRESHOLD
+from broker.queue import BURIED, DELAYED, READY, Tube
 from broker.queue_restore import RecoveredJob, Restorer
 
-LOC_BITS: Final = 40
-LOC_MASK: Final = (1 << LOC_BITS) - 1
 # The interpreted build reads the plain records (K_JOB, K_DELETE; ready jobs with nothing
 # special about them at restore) in one tight loop per segment instead of a few calls per
 # record: a Python call costs what the rest of a record's work does. Compiled, the calls
@@ -193,7 +195,9 @@ class Scanner:
         last = end - fmt.DELETE_RECORD_SIZE  # a record starting after this is too short for a head
         max_id = rec.max_id
         count = 0
-        while pos <= last and count < BATCH_RECORDS:
+        for count in range(BATCH_RECORDS):  # noqa: B007 (read after the loop; a for: no compare and add per record)
+            if pos > last:
+                break
             length, crc, kind, jid = unpack(data, pos)
             start = pos + frame
             stop = start + length
@@ -212,8 +216,9 @@ class Scanner:
                 break
             if updates and jid in updates:
                 del updates[jid]
-            count += 1
             pos = stop
+        else:
+            count = BATCH_RECORDS
         rec.max_id = max_id
         rec.records += count
         return pos
@@ -282,8 +287,6 @@ NO_COUNTERS: Final = (0, 0, 0, 0, 0)
 _BURIED: Final = BURIED
 _DELAYED: Final = DELAYED
 _READY: Final = READY
-_CREATED_GRAIN: Final = CREATED_GRAIN
-_NS: Final = NS
 _ID_BITS: Final = ID_BITS
 _URGENT: Final = URGENT_THRESHOLD
 
@@ -297,7 +300,11 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restore
     contents once its jobs are out, so that the log is not held in memory next to the
     restored jobs. ``wall_off`` turns the log's wall-clock times into the queue's clock.
     """
-    decoder = _Decoder(rec, wall_off, restorer)
+    lazy = None
+    if batch:
+        lazy = LazyJobs(restorer.pool, wall_off)
+        restorer.jobs.loader = lazy.make
+    decoder = _Decoder(rec, wall_off, restorer, lazy)
     for seg_no, data in enumerate(rec.datas):
         if data is None:
             continue
@@ -306,8 +313,10 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restore
         end = rec.sizes[home]  # the end of its valid records
         skips = rec.skips.get(seg_no)
         pos = fmt.HEADER_SIZE
-        if batch and skips is None:
-            decoder.segment_batch(data, end)
+        if lazy is not None and skips is None:
+            lazy.hold(seg_no, data, home)
+            decoder.segment_batch(data, end, lazy)
+            lazy.release_unused(seg_no)
             pos = end
         while pos < end:
             if skips is not None and pos in skips:
@@ -325,7 +334,7 @@ def restore_records(rec: ScanResult, wall_off: int, tally: RestoreTally, restore
         tally.live[home] += len(here)
         tally.jobs += len(here)
         tally.bytes += decoder.nbytes
-        rec.datas[seg_no] = None  # the bodies were copied out: let the segment go
+        rec.datas[seg_no] = None  # the bodies were copied out or `lazy` holds them: let the scan's reference go
     buried = decoder.buried
     tally.buried = len(buried)
     buried.sort(key=lambda entry: entry[0])  # buried jobs keep the order they were buried in
@@ -338,21 +347,25 @@ class _Decoder:
     creation times (to the millisecond, as a put keeps them) come out as one shared object.
     Buried jobs wait in ``buried`` (with their place in the log), to be restored last."""
 
-    def __init__(self, rec: ScanResult, wall_off: int, restorer: Restorer) -> None:
+    def __init__(self, rec: ScanResult, wall_off: int, restorer: Restorer, lazy: LazyJobs | None) -> None:
         self.wall_off = wall_off
         self.restorer = restorer
+        self.lazy = lazy
         self.dead = rec.dead
         self.latest = rec.latest
         self.updates = rec.updates
         self.tube_names: dict[bytes, str] = {}
+        self.structs: dict[int, struct.Struct] = {}
         self.recent_created = 0
         self.buried: list[tuple[int, RecoveredJob]] = []
+        self.seg_no = 0
         self.base = 0
         self.home = 0
         self.here: list[int] = []  # ids of the jobs restored from the current segment
         self.nbytes = 0  # ...and their bytes on disk
 
     def start_segment(self, seg_no: int, home: int) -> None:
+        self.seg_no = seg_no
         self.base = seg_no << LOC_BITS
         self.home = home
         self.here = []
@@ -366,22 +379,23 @@ class _Decoder:
         last = self.latest.get(job_id)
         return last is None or last == loc
 
-    def segment_batch(self, data: bytes, end: int) -> None:
+    def segment_batch(self, data: bytes, end: int, lazy: LazyJobs) -> None:
         """What restore_records' walk of one segment without skips does, in one loop: a ready
-        job with no counters, delay or newer update (the bulk of any log) is made here and
-        handed to the restorer in runs of one tube; every other K_JOB record goes through
-        :meth:`job` in its turn (the run before it handed over first, so the order of
-        everything the restorer sees is that of the per-record walk)."""
+        job with no counters, delay or newer update (the bulk of any log) is queued here,
+        unmade (:mod:`broker.binlog_lazy`), and handed to the restorer in runs of one tube;
+        every other K_JOB record goes through :meth:`job` in its turn (the run before it handed
+        over first, so the order of everything the restorer sees is that of the per-record walk).
+
+        A record of the run's tube is read by the run's own struct, whose last field covers the
+        counters and the tube name: one compare with the run's ``tail`` tells a plain job of that
+        tube. Anything else takes the general look, which also starts a run."""
         unpack, no_counters = fmt.JOB_BATCH_FIELDS.unpack_from, fmt.NO_COUNTER_BYTES
         check = bool(self.dead or self.latest)
-        updates, pool, make = self.updates, self.restorer.pool, ready_job
-        wall_off, home, base, recent = self.wall_off, self.home, self.base, self.recent_created
+        updates, base = self.updates, self.base
         frame, k_job, fixed, other_size = fmt.FRAME_SIZE, fmt.K_JOB, fmt.JOB_RECORD_FIXED, fmt.DELETE_RECORD_SIZE
-        k_update, update_size, grain, ns, urgent_pri = (fmt.K_UPDATE, fmt.UPDATE_RECORD_SIZE, _CREATED_GRAIN, _NS,
-                                                        _URGENT)
-        run = _Run(self, None)
-        ids, jobs, ready, tube_bytes = run.ids, run.jobs, run.ready, run.tube_bytes
-        tube: Any = None  # run.tube: set by the first job, which always starts a run
+        k_update, update_size, urgent_pri = fmt.K_UPDATE, fmt.UPDATE_RECORD_SIZE, _URGENT
+        run = _Run(self, lazy, None)
+        ids, locs, ready, tail, run_unpack, fast_end = run.ids, run.locs, run.ready, run.tail, run.unpack, -1
         shift = _ID_BITS  # tube.ready_shift once a run starts (no id is as wide before)
         nbytes = urgent = 0  # of the jobs in ``run``
         pos = fmt.HEADER_SIZE
@@ -390,50 +404,50 @@ class _Decoder:
             if kind != k_job:
                 pos += update_size if kind == k_update else other_size
                 continue
-            length, job_id, state, pri, delay, ttr, created, counters, tube_len = unpack(data, pos)
+            if pos <= fast_end:  # the run's struct reads no further than the data
+                length, job_id, state, pri, delay, job_tail = run_unpack(data, pos)
+                if (job_tail == tail and not (state or delay or job_id >> shift or (updates and job_id in updates))
+                        and (not check or self.current(job_id, base | pos))):
+                    ids.append(job_id)
+                    locs.append(base | pos)
+                    ready.append((pri << shift) | job_id)
+                    if pri < urgent_pri:
+                        urgent += 1
+                    size = frame + length
+                    nbytes += size
+                    pos += size
+                    continue
+            length, job_id, state, pri, delay, _, _, counters, tube_len = unpack(data, pos)
             size = frame + length
             if check and not self.current(job_id, base | pos):
                 pos += size
                 continue
-            tstart = pos + fixed
-            bstart = tstart + tube_len
             if state or delay or counters != no_counters or (updates and job_id in updates) or job_id >> shift:
                 run.hand_over(nbytes, urgent)
                 nbytes = urgent = 0
-                self.recent_created = recent
                 pos += self.job(data, pos)
-                recent = self.recent_created
-                run = _Run(self, None)  # the next job starts a run afresh: job() may have widened a ready heap
-                ids, jobs, ready, tube_bytes = run.ids, run.jobs, run.ready, run.tube_bytes
+                run = _Run(self, lazy, None)  # the next job starts a run afresh: job() may have widened a ready heap
+                ids, locs, ready, tail, run_unpack, fast_end = run.ids, run.locs, run.ready, run.tail, run.unpack, -1
                 shift = _ID_BITS
                 continue
-            if data[tstart:bstart] != tube_bytes:
-                run.hand_over(nbytes, urgent)
-                nbytes = urgent = 0
-                run = _Run(self, data[tstart:bstart])
-                ids, jobs, ready, tube_bytes, tube = run.ids, run.jobs, run.ready, run.tube_bytes, run.tube
-                shift = tube.ready_shift
-                if job_id >> shift:  # an id too wide for this heap: the per-record path widens it
-                    continue  # (the loop comes back to this record with shift set)
-            created -= wall_off
-            if 0 <= created - recent < grain:
-                created = recent
-            else:
-                recent = created
-            if pri > 256:
-                pri = pool.get(pri) or shared_int(pool, pri)
-            ttr //= ns
-            if ttr > 256:
-                ttr = pool.get(ttr) or shared_int(pool, ttr)
-            ids.append(job_id)
-            jobs.append(make(job_id, tube, pri, ttr, data[bstart:pos + size], created, home))
-            ready.append((pri << shift) | job_id)
-            if pri < urgent_pri:
-                urgent += 1
-            nbytes += size
-            pos += size
+            # a plain job of another tube: a new run (its first job is queued by the run's struct)
+            run.hand_over(nbytes, urgent)
+            nbytes = urgent = 0
+            tstart = pos + fixed
+            run = _Run(self, lazy, data[tstart:tstart + tube_len])
+            ids, locs, ready, tail, run_unpack = run.ids, run.locs, run.ready, run.tail, run.unpack
+            fast_end = len(data) - fixed - tube_len
+            shift = run.shift
+            if job_id >> shift:  # an id too wide for this heap: the per-record path widens it
+                fast_end = -1  # (the loop comes back to this record by the general look, with shift set)
         run.hand_over(nbytes, urgent)
-        self.recent_created = recent
+
+    def plain_struct(self, tube_len: int) -> struct.Struct:
+        """:func:`broker.binlog_format.plain_job_fields`, one per name length (a log may switch tubes often)."""
+        made = self.structs.get(tube_len)
+        if made is None:
+            made = self.structs[tube_len] = fmt.plain_job_fields(tube_len)
+        return made
 
     def tube_name(self, raw: bytes) -> str:
         """A tube name as read from the log, one str object per name."""
@@ -489,9 +503,9 @@ class _Decoder:
             deadline -= self.wall_off
         else:
             state = _READY
-        created -= self.wall_off
-        if 0 <= created - self.recent_created < _CREATED_GRAIN:
-            created = self.recent_created
+        created = recovered_created(created, self.wall_off)
+        if created == self.recent_created:
+            created = self.recent_created  # the same int object as the job before: memory
         else:
             self.recent_created = created
         home = self.home
@@ -506,28 +520,36 @@ class _Decoder:
 
 
 class _Run:
-    """Ready jobs of one tube made by :meth:`_Decoder.segment_batch`, not yet handed to the restorer."""
+    """Lazy ready jobs of one tube queued by :meth:`_Decoder.segment_batch`, not yet handed to the restorer."""
 
-    def __init__(self, decoder: _Decoder, tube_bytes: bytes | None) -> None:
+    def __init__(self, decoder: _Decoder, lazy: LazyJobs, tube_bytes: bytes | None) -> None:
         self.decoder = decoder
-        self.tube_bytes = tube_bytes
+        self.lazy = lazy
+        self.tube_bytes = tube_bytes if tube_bytes is not None else b""
         self.tube: Tube | None = None
         self.ready: list[int] = []
+        self.shift = _ID_BITS
+        self.tail = b""  # fmt.plain_job_tail of the tube: no record matches before the first job
+        self.unpack = fmt.JOB_BATCH_FIELDS.unpack_from  # (never used with an empty tail)
         if tube_bytes is not None:
             self.tube = decoder.restorer.tube(decoder.tube_name(tube_bytes))
             self.ready = self.tube.ready
+            self.shift = self.tube.ready_shift
+            self.tail = fmt.plain_job_tail(tube_bytes)
+            self.unpack = decoder.plain_struct(len(tube_bytes)).unpack_from
         self.ids: list[int] = []
-        self.jobs: list[Job] = []
+        self.locs: list[int] = []  # where each job's K_JOB record is: (segment position << 40) | offset
 
     def hand_over(self, nbytes: int, urgent: int) -> None:
-        """Give the jobs made so far (``nbytes`` of records, ``urgent`` of them urgent) to the
+        """Give the jobs queued so far (``nbytes`` of records, ``urgent`` of them urgent) to the
         restorer and start afresh (same tube)."""
-        if not self.ids or self.tube is None or self.tube_bytes is None:
+        if not self.ids or self.tube is None:
             return
         decoder = self.decoder
         held = nbytes - len(self.ids) * (fmt.JOB_RECORD_FIXED + len(self.tube_bytes))  # the bodies' bytes
-        decoder.restorer.add_ready_run(self.tube, self.ids, self.jobs, held, urgent)
+        self.lazy.add(decoder.seg_no, len(self.ids), self.tube_bytes, self.tube)
+        decoder.restorer.add_lazy_run(self.tube, self.ids, self.locs, held, urgent)
         decoder.here.extend(self.ids)
         decoder.nbytes += nbytes
         self.ids.clear()
-        self.jobs.clear()
+        self.locs.clear()

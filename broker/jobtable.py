@@ -12,11 +12,18 @@ holds at least :data:`SPARSE_LIVE` jobs; a page that falls below moves its jobs 
 page that does not exist also go to ``overflow``. Page memory is therefore at most
 ``PAGE_SIZE * 8 / SPARSE_LIVE`` = 128 bytes per paged job, plus one page.
 
+A page may also hold *lazy* jobs (the interpreted recovery, see :meth:`JobTable.put_lazy`):
+a slot that is None with an entry ``>= 0`` in the page's ``lazy`` array is a job not yet
+made, known by a number its ``loader`` makes it from on first use. Looking it up, popping
+it or listing the values makes it; until then it costs 8 bytes. A lookup of a made job
+never looks at ``lazy`` (it is only read when the slot is None).
+
 Generic in the value type so this module needs nothing from :mod:`broker.model`.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator
 from typing import Final, Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,14 +35,21 @@ SPARSE_LIVE: Final = PAGE_SIZE // 16  # a page other than the newest with fewer 
 MAX_GAP_PAGES: Final = 1 << 16  # an id further above the pages than this starts them afresh
 
 
-class Page(Generic[T]):
-    """PAGE_SIZE slots and how many of them hold a job (a native int when compiled)."""
+NOT_LAZY: Final = -1  # a ``lazy`` entry with no job behind it
+_NO_LAZY_PAGE: Final = array("q", [NOT_LAZY]) * PAGE_SIZE
 
-    __slots__ = ("live", "slots")
+
+class Page(Generic[T]):
+    """PAGE_SIZE slots and how many of them hold a job (made or lazy; a native int when
+    compiled); ``lazy`` exists while some of its jobs are not made yet, ``unmade`` of them."""
+
+    __slots__ = ("lazy", "live", "slots", "unmade")
 
     def __init__(self) -> None:
         self.slots: list[T | None] = [None] * PAGE_SIZE
         self.live = 0
+        self.lazy: array[int] | None = None
+        self.unmade = 0
 
 
 class JobTable(Generic[T]):
@@ -47,14 +61,16 @@ class JobTable(Generic[T]):
     (so its page is at or below ``high_page``): an id whose page exists is never there.
     """
 
-    __slots__ = ("base", "high_page", "overflow", "paged", "pages")
+    __slots__ = ("base", "high_page", "loader", "overflow", "paged", "pages", "unmade")
 
     def __init__(self) -> None:
         self.pages: list[Page[T] | None] = []
         self.base = 0
         self.high_page = -1
-        self.paged = 0  # jobs held in pages
+        self.paged = 0  # jobs held in pages (lazy ones included)
         self.overflow: dict[int, T] = {}
+        self.unmade = 0  # lazy jobs not made yet
+        self.loader: Callable[[int, int], T] | None = None  # (id, its lazy number) -> the job
 
     def __len__(self) -> int:
         return self.paged + len(self.overflow)
@@ -67,8 +83,27 @@ class JobTable(Generic[T]):
             except IndexError:
                 page = None
             if page is not None:  # a page's ids are never in overflow (see the class docstring)
-                return page.slots[job_id & PAGE_MASK]
+                job = page.slots[job_id & PAGE_MASK]
+                if job is None and page.lazy is not None:
+                    return self._make(page, job_id)
+                return job
         return self.overflow.get(job_id) if self.overflow else None
+
+    def _make(self, page: Page[T], job_id: int) -> T | None:
+        """The lazy job ``job_id`` of ``page``, made and put in its slot (None: there is none)."""
+        lazy = page.lazy
+        offset = job_id & PAGE_MASK
+        if lazy is None or lazy[offset] == NOT_LAZY or self.loader is None:
+            return None
+        number = lazy[offset]
+        lazy[offset] = NOT_LAZY
+        page.unmade -= 1
+        if not page.unmade:
+            page.lazy = None
+        self.unmade -= 1
+        job = self.loader(job_id, number)
+        page.slots[offset] = job
+        return job
 
     def __getitem__(self, job_id: int) -> T:
         job = self.get(job_id)
@@ -90,7 +125,7 @@ class JobTable(Generic[T]):
             if page is not None:
                 slots = page.slots
                 offset = job_id & PAGE_MASK
-                if slots[offset] is None:
+                if slots[offset] is None and (page.lazy is None or self._make(page, job_id) is None):
                     page.live += 1
                     self.paged += 1
                 slots[offset] = job
@@ -103,30 +138,60 @@ class JobTable(Generic[T]):
         page.live = 1
         self.paged += 1
 
-    def put_many(self, ids: list[int], jobs: list[T]) -> None:
-        """``self[ids[i]] = jobs[i]`` for each i in turn, with the same result; a run of
-        consecutive new ids within one page is stored by one slice assignment (recovery
-        restores a million jobs in id order)."""
+    def put_lazy(self, ids: list[int], numbers: list[int]) -> None:
+        """Hold job ``ids[i]`` as lazy, made by ``loader(ids[i], numbers[i])`` when first used
+        (numbers ``>= 0``); a run of consecutive ids that are new to one page is stored as one
+        slice of its ``lazy`` array. Any other id is made now and stored as ``self[id]``."""
+        loader = self.loader
+        assert loader is not None, "put_lazy needs a loader"
         count = len(ids)
         i = 0
         while i < count:
             first = ids[i]
-            self[first] = jobs[i]  # makes the page if that is its turn, exactly as one put would
             offset = first & PAGE_MASK
             span = min(count - i, PAGE_SIZE - offset)
-            index = (first >> PAGE_BITS) - self.base
-            page = self.pages[index] if 0 <= index < len(self.pages) else None
-            if (page is not None and span > 1 and ids[i + span - 1] == first + span - 1
+            page = self._page_for(first)
+            if (page is not None and ids[i + span - 1] == first + span - 1
                     and ids[i:i + span] == list(range(first, first + span))
-                    and page.slots[offset + 1:offset + span].count(None) == span - 1):
-                page.slots[offset + 1:offset + span] = jobs[i + 1:i + span]
-                page.live += span - 1
-                self.paged += span - 1
-                i += span
-                continue
-            for k in range(i + 1, i + span):  # not one clean run: one at a time
-                self[ids[k]] = jobs[k]
+                    and page.slots[offset:offset + span].count(None) == span
+                    and (page.lazy is None or page.lazy[offset:offset + span].count(NOT_LAZY) == span)):
+                if page.lazy is None:
+                    page.lazy = array("q", _NO_LAZY_PAGE)
+                page.lazy[offset:offset + span] = array("q", numbers[i:i + span])
+                page.live += span
+                page.unmade += span
+                self.paged += span
+                self.unmade += span
+            else:
+                for k in range(i, i + span):
+                    self[ids[k]] = loader(ids[k], numbers[k])
             i += span
+
+    def _page_for(self, job_id: int) -> Page[T] | None:
+        """The page ``job_id`` belongs in, made if that is its turn; None when the id goes to overflow."""
+        number = job_id >> PAGE_BITS
+        index = number - self.base
+        if 0 <= index < len(self.pages):
+            return self.pages[index]
+        if number <= self.high_page or job_id < 0:
+            return None
+        return self._new_page(number)
+
+    def make_all(self) -> None:
+        """Make every lazy job (before a walk over all values, or freeing a page)."""
+        if self.unmade:
+            first = self.base << PAGE_BITS
+            for page in self.pages:
+                if page is not None and page.lazy is not None:
+                    self._make_page(page, first)
+                first += PAGE_SIZE
+
+    def _make_page(self, page: Page[T], first: int) -> None:
+        lazy = page.lazy
+        if lazy is not None:
+            for offset, number in enumerate(lazy):
+                if number != NOT_LAZY:
+                    self._make(page, first + offset)
 
     def _new_page(self, number: int) -> Page[T]:
         """Make page ``number``, above every page made so far."""
@@ -160,6 +225,8 @@ class JobTable(Generic[T]):
                 slots = page.slots
                 offset = job_id & PAGE_MASK
                 job = slots[offset]
+                if job is None and page.lazy is not None:
+                    job = self._make(page, job_id)
                 if job is not None:
                     slots[offset] = None
                     self.paged -= 1
@@ -183,6 +250,7 @@ class JobTable(Generic[T]):
         page = self.pages[index]
         if page is None:
             return
+        self._make_page(page, (self.base + index) << PAGE_BITS)
         if page.live:
             first = (self.base + index) << PAGE_BITS
             overflow = self.overflow
@@ -205,7 +273,9 @@ class JobTable(Generic[T]):
             self.base += lead
 
     def values(self) -> list[T]:
-        """The jobs in id order; a list, so the caller may change the table while it goes through it."""
+        """The jobs in id order (every lazy one made); a list, so the caller may change the
+        table while it goes through it."""
+        self.make_all()
         extra = sorted(self.overflow)
         overflow = self.overflow
         out: list[T] = []
@@ -229,7 +299,12 @@ class JobTable(Generic[T]):
         first = self.base << PAGE_BITS
         for page in self.pages:
             if page is not None:
-                out.extend(first + offset for offset, job in enumerate(page.slots) if job is not None)
+                lazy = page.lazy
+                if lazy is None:
+                    out.extend(first + offset for offset, job in enumerate(page.slots) if job is not None)
+                else:
+                    out.extend(first + offset for offset, job in enumerate(page.slots)
+                               if job is not None or lazy[offset] != NOT_LAZY)
             first += PAGE_SIZE
         if self.overflow:
             out.extend(self.overflow)

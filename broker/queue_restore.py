@@ -114,11 +114,12 @@ class Restorer:
             tube = self.tubes[name] = queue_apply.tube(self.queue, name)
         return tube
 
-    def add_ready_run(self, tube: Tube, ids: list[int], jobs: list[Job], held: int, urgent: int) -> None:
-        """Jobs already made ready, file set and heap entries appended to ``tube.ready`` by the
-        caller (the interpreted recovery's batch loop): what :meth:`add` does for each of them,
-        in the same order, with the counts added once."""
-        self.jobs.put_many(ids, jobs)
+    def add_lazy_run(self, tube: Tube, ids: list[int], locs: list[int], held: int, urgent: int) -> None:
+        """Ready jobs not made yet (the interpreted recovery's batch loop: ``jobs.loader`` makes
+        job ``ids[i]`` from ``locs[i]`` when first used), heap entries appended to ``tube.ready``
+        by the caller: what :meth:`add` does for each of them, in the same order, with the
+        counts added once."""
+        self.jobs.put_lazy(ids, locs)
         count = len(ids)
         tube.refs += count
         tube.ready_count += count

@@ -179,12 +179,15 @@ def test_ready_job_sets_every_field_as_the_constructor_does():
         assert [getattr(made, n) for n in Job.__slots__] == [getattr(ref, n) for n in Job.__slots__]
 
 
-def test_put_many_equals_one_at_a_time():
-    """JobTable.put_many stores runs by slice: the same pages, overflow and order as single stores,
-    also for ids out of order, repeated, below a freed page and far above the pages."""
+def test_put_lazy_equals_one_at_a_time():
+    """JobTable.put_lazy stores runs by slice, unmade: once made, the same pages, overflow and
+    order as single stores, also for ids out of order, repeated, below a freed page and far above
+    the pages; every lazy id is made exactly once."""
     ids = [*range(1, 3000), 5, 2999, 40000, 40001, *range(100, 90, -1), 10**7, 10**7 + 1, 2**40]
     for cut in (1, 7, 1000, len(ids)):
         one, many = JobTable[int](), JobTable[int]()
+        made: list[int] = []
+        many.loader = lambda jid, number: made.append(jid) or number  # noqa: B023
         for jid in range(1, 200):  # a page emptied below the threshold: its ids then go to overflow
             one[jid] = many[jid] = -jid
         for jid in range(1, 150):
@@ -192,8 +195,63 @@ def test_put_many_equals_one_at_a_time():
             many.pop(jid)
         for jid in ids:
             one[jid] = jid * 2
-        for start in range(0, len(ids), cut):
-            many.put_many(ids[start:start + cut], [jid * 2 for jid in ids[start:start + cut]])
-        assert (many.keys(), many.values()) == (one.keys(), one.values())
+        near = ids[:-1]
+        for start in range(0, len(near), cut):
+            many.put_lazy(near[start:start + cut], [jid * 2 for jid in near[start:start + cut]])
+        assert many.unmade >= 1000  # runs of consecutive new ids in a page stay unmade
+        assert many.get(1500) == 3000 and 1500 in made and many.pop(1501) == 3002 and 1501 in made
+        many[1501] = 3002
+        assert sorted(many.keys()) == sorted(set(near)) and many.unmade >= 1000  # listing the ids makes nothing
+        many.put_lazy(ids[-1:], [ids[-1] * 2])  # far above the pages: they are all freed, their jobs made first
+        assert many.unmade == 1  # the new id, in a page of its own
+        assert many.values() == one.values()
+        assert sorted(made) == sorted(ids)  # the repeated ids: the lazy one made, then replaced
         assert (len(many), many.footprint(), many.base, many.high_page) == (len(one), one.footprint(), one.base,
                                                                               one.high_page)
+
+
+def test_lazy_jobs_are_made_on_first_use_and_their_segments_let_go():
+    """The batch restore makes no job for a plain ready one: the queue serves them all the same
+    (reserve order, peek, stats-job, delete of an unmade job), each is made once, and a segment's
+    bytes are let go when its last job is made or deleted."""
+    from broker import queue_verbs
+    from broker import stats as broker_stats
+
+    now = time.time_ns()
+    d = tempfile.mkdtemp(prefix="batch-lazy-")
+    try:
+        seg1 = [_job(j, now, pri=j % 2) for j in range(1, 1201)]
+        seg2 = [_job(j, now, pri=5, tube=b"t2") for j in range(1201, 1301)] + [_job(1301, now, state=fmt.S_BURIED)]
+        _write(d, [seg1, seg2], now)
+        rec = Scanner(BinlogDir(d), False, batch=True).scan()
+        queue = Queue(time.monotonic_ns)
+        tally = RestoreTally(home_ids={i: array("Q") for i in rec.segments}, live={i: 0 for i in rec.segments})
+        restorer = Restorer(queue)
+        restore_records(rec, time.time_ns() - time.monotonic_ns(), tally, restorer, batch=True)
+        restorer.finish()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    lazy = queue.jobs.loader.__self__  # type: ignore[union-attr]
+    assert (len(queue.jobs), queue.jobs.unmade, sorted(lazy.datas)) == (1301, 1300, [0, 1])
+    assert queue.ready_ct == 1300 and queue.buried_ct == 1
+    replies: list[bytes] = []
+    client = queue_verbs.connect(queue, replies.append, "test")
+    assert queue_verbs.peek(queue, client, 1200) == b"FOUND 1200 9\r\nbody 1200\r\n"
+    assert b"\nstate: ready\npri: 0\n" in broker_stats.stats_job(queue, client, 2)
+    assert queue.delete(client, 4) == b"DELETED\r\n"  # unmade until now
+    queue_verbs.watch(queue, client, "bench")
+    queue_verbs.watch(queue, client, "t2")
+    got = []
+    while True:
+        reply = queue.reserve(client, 0)
+        if reply is None or not reply.startswith(b"RESERVED"):
+            break
+        jid = int(reply.split()[1])
+        assert reply.endswith(b"\r\nbody %d\r\n" % jid)
+        got.append(jid)
+        if jid == 1199:  # the last of segment 1 still unmade: made now, its bytes let go
+            assert 0 not in lazy.datas
+        assert queue.delete(client, jid) == b"DELETED\r\n"
+    evens = [j for j in range(2, 1201, 2) if j != 4]
+    assert got == evens + [j for j in range(1, 1201, 2)] + list(range(1201, 1301))  # (pri, id) order, then t2
+    assert (queue.jobs.unmade, lazy.datas, len(queue.jobs)) == (0, {}, 1)

@@ -16,17 +16,10 @@ from typing import Final
 
 from broker import binlog_format as fmt
 from broker.model import NS, Job, Tube, ready_job, shared_int
-from broker.queue import CREATED_GRAIN
+from broker.queue_restore import recovered_created
 
 LOC_BITS: Final = 40
 LOC_MASK: Final = (1 << LOC_BITS) - 1
-
-
-def recovered_created(created: int, wall_off: int) -> int:
-    """A recovered job's ``created`` on the queue's clock: at most CREATED_GRAIN early, as after
-    a put (so that jobs of one millisecond can share one int object)."""
-    created -= wall_off
-    return created - created % CREATED_GRAIN
 
 
 class LazyJobs:

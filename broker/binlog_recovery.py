@@ -24,10 +24,10 @@ from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
-from broker.binlog_lazy import LOC_BITS, LazyJobs, recovered_created
+from broker.binlog_lazy import LOC_BITS, LazyJobs
 from broker.model import ID_BITS, URGENT_THRESHOLD
 from broker.queue import BURIED, DELAYED, READY, Tube
-from broker.queue_restore import RecoveredJob, Restorer
+from broker.queue_restore import RecoveredJob, Restorer, recovered_created
 
 # The interpreted build reads the plain records (K_JOB, K_DELETE; ready jobs with nothing
 # special about them at restore) in one tight loop per segment instead of a few calls per

@@ -16,7 +16,7 @@ from typing import Final, NamedTuple
 
 from broker import queue_apply
 from broker.model import heap_entry, shared_int
-from broker.queue import BURIED, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
+from broker.queue import BURIED, CREATED_GRAIN, DELAYED, NS, READY, URGENT_THRESHOLD, Job, Queue, Tube
 from broker.timers import DELAYED_READY
 
 # Final copies of the queue's constants: mypyc keeps a Final name in a C variable, where a
@@ -27,7 +27,15 @@ _READY: Final = READY
 _NS: Final = NS
 _URGENT: Final = URGENT_THRESHOLD
 _DELAYED_READY: Final = DELAYED_READY
+_CREATED_GRAIN: Final = CREATED_GRAIN
 Counters = tuple[int, int, int, int, int]  # reserves, timeouts, releases, buries, kicks
+
+
+def recovered_created(created: int, wall_off: int) -> int:
+    """A recovered job's ``created`` (wall clock in the log) on the queue's clock: at most
+    CREATED_GRAIN early, as after a put, so that jobs of one millisecond can share one int."""
+    created -= wall_off
+    return created - created % _CREATED_GRAIN
 
 
 class RecoveredJob(NamedTuple):

@@ -105,6 +105,7 @@ class BrokerLink:
         self.backoff = _BACKOFF_FIRST
         self.was_up = False
         self.waiting_since: dict[int, float] = {}  # orphans still reserved elsewhere -> first seen
+        self.closed = False                        # closed for good (the query stopped): never reconnect
 
     # --- connecting ------------------------------------------------------------------------
     @classmethod
@@ -123,9 +124,10 @@ class BrokerLink:
         return self.control is not None
 
     def open(self) -> bool:
-        """Connect (control + numPartitions reservation connections); False and marked down on failure."""
+        """Connect (control + numPartitions reservation connections); False and marked down on failure,
+        False for good once closed: a thread still running after stop must not reconnect and re-reserve."""
         now = time.monotonic()
-        if now < self.next_try:
+        if self.closed or now < self.next_try:
             return False
         try:
             # a cluster: follow its leader (found again on every reconnect); re-acquire then
@@ -207,6 +209,8 @@ class BrokerLink:
                         self.address, exc, orphans)
 
     def close(self) -> None:
+        """Close every connection for good (the broker releases what they held); see ``open``."""
+        self.closed = True
         for rc in self.conns:
             rc.dead = True
             rc.conn.close()

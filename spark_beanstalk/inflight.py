@@ -49,6 +49,7 @@ from spark_beanstalk.touch import Timing, Toucher
 log = logging.getLogger("spark_beanstalk.source")
 
 _RESETS_PER_CALL = 3      # reconnects one call may do before it leaves the broker for later
+_JOIN_SECONDS = 2.0       # stop waits this long for the touch thread and the worker to end
 
 
 class InFlight:
@@ -96,7 +97,12 @@ class InFlight:
         self.abandon()
 
     def abandon(self) -> None:
-        """Close every connection without deleting anything (what a crash looks like to the brokers)."""
+        """Close every connection without deleting anything (what a crash looks like to the brokers).
+
+        The links are closed for good under their locks, so the touch thread and the worker, which
+        may be half-way through a read-ahead, a re-acquire or a delete, cannot reconnect after it
+        (they did: a worker that lost its socket mid-read-ahead re-reserved the batch on new
+        connections that nobody closed). Then waits briefly for both threads to end."""
         self.stopping = True
         self.toucher.stopping = True
         self.work.set()
@@ -104,6 +110,11 @@ class InFlight:
         for b in self.brokers:
             with b.lock:
                 b.close()
+        me = threading.current_thread()
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for thread in self._threads:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def link(self, address: str) -> BrokerLink | None:
         return next((b for b in self.brokers if b.address == address), None)
@@ -125,8 +136,10 @@ class InFlight:
                     f"UTC; brokerRetrySeconds={bound:g}): {b.last_error}; check the broker or the 'hosts' option")
 
     def wait_up(self, b: BrokerLink) -> None:
-        """Block until b is connected and settled, or raise once it is down past the bound."""
+        """Block until b is connected and settled, or raise once it is down past the bound (or stopped)."""
         while True:
+            if self.stopping:
+                raise BeanstalkSourceError("beanstalk source: the reader was stopped")
             with b.lock:
                 if reacquire(b, self.opts.replay_wait_seconds):
                     return

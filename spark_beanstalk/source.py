@@ -122,6 +122,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     # Everything below is runtime state of the driver-side runner: never pickled.
     def _init_runtime(self) -> None:
         self._inflight: InFlight | None = None
+        self._stopped = False
         self._cleaned = False
         self._lag = Lag(self.opts.tubes)
         self._last_batch_at: float | None = None   # time.monotonic() when the last batch was planned
@@ -135,6 +136,8 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._init_runtime()
 
     def _started(self) -> InFlight:
+        if self._stopped:     # never connect again after stop: nothing would close it
+            raise BeanstalkSourceError("beanstalk source: the reader was stopped")
         if self._inflight is None:
             inflight = InFlight(self.opts)
             inflight.start()
@@ -239,6 +242,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._inflight.work.set()
 
     def stop(self) -> None:
+        self._stopped = True
         if self._inflight is not None:
             self._inflight.close()
         self._inflight = None

@@ -410,6 +410,39 @@ def test_reader_restart_after_partial_delete_deletes_the_rest(server, conn_facto
 
 
 @pytest.mark.timeout(60)
+def test_reader_stop_during_read_ahead_releases_everything_and_never_reconnects(server, conn_factory):
+    """stop() while the read-ahead is reserving the next batch: every reservation and connection
+    goes at once (not after the TTR), stop() returns with its threads ended, and a step of the
+    worker still running after stop (maintain, deletes, read-ahead) cannot reconnect and reserve."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import SCHEMA, BeanstalkSourceError, BeanstalkStreamReader
+
+    conn = conn_factory(server)
+    put_jobs(conn, "st", [b"s%d" % i for i in range(3000)], ttr=120)
+    opts = SourceOptions.parse({"hosts": server.address, "tubes": "st", "maxJobsPerTrigger": "1000"})
+    r = BeanstalkStreamReader(opts, SCHEMA)
+    start = r.initialOffset()
+    r.latestOffset(start, ReadMaxRows(1000))          # batch 1 held; the worker reads the next 1000 ahead
+    inflight = r._inflight
+    wait_until(lambda: tube_counts(conn, "st")["reserved"] > 1000, 10, what="the read-ahead to start", interval=0.002)
+    r.stop()
+    assert not any(t.is_alive() for t in inflight._threads), "stop() returned with its threads still running"
+    inflight._maintain()                # what a worker step caught half-way by stop() does next
+    inflight.flush_deletes()
+    assert inflight.fill(inflight.pool, 1000) == 0
+
+    def released() -> bool:
+        st = conn.stats()
+        return int(st["current-jobs-reserved"]) == 0 and int(st["current-connections"]) == 1
+    wait_until(released, 5, what="no reservation and no connection of the stopped reader left")
+    assert tube_counts(conn, "st")["ready"] == 3000
+    with pytest.raises(BeanstalkSourceError, match="stopped"):
+        r.latestOffset(start, ReadMaxRows(1000))
+    assert int(conn.stats()["current-connections"]) == 1
+
+
+@pytest.mark.timeout(60)
 def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""
     from pyspark.sql.streaming.datasource import ReadMaxRows

@@ -139,22 +139,25 @@ def test_query_restart_after_partial_delete_reads_no_committed_job_again(spark, 
     ckpt = str(tmp_path / "ckpt")
     rec = BatchRecorder()
 
-    def start():
+    def start(**trigger):
         df = reader(spark, hosts=broker.address, tubes="pdq", prefetch="false")
-        # a long trigger: nothing deletes batch 0 before the query is stopped
-        return df.writeStream.foreachBatch(rec).option("checkpointLocation", ckpt).trigger(
-            processingTime="120 seconds").start()
+        return df.writeStream.foreachBatch(rec).option("checkpointLocation", ckpt).trigger(**trigger).start()
 
-    query = start()
+    # Trigger.Once: batch 0 commits, then the query ends without another latestOffset, so nothing
+    # deletes batch 0. (A long processingTime did not do that: Spark aligns processing-time triggers
+    # to multiples of the interval on the wall clock, so when batch 0 ran across such a boundary,
+    # batch 1's latestOffset came at once and deleted batch 0 before the test stopped the query.)
+    query = start(once=True)
     try:
-        wait_until(lambda: any(p["batchId"] == 0 for p in query.recentProgress), 90, what="batch 0 committed")
+        assert query.awaitTermination(90), "batch 0 did not end within 90 s"
+        assert [p["batchId"] for p in query.recentProgress] == [0]
     finally:
         query.stop()
     assert sorted(r[2] for r in rec.rows()) == ids
     wait_until(lambda: tube_counts(conn, "pdq")["ready"] == 150, 30, what="batch 0 back in ready after the stop")
     assert all(conn.delete(j) for j in ids[10:40] + ids[100:110])
     more = put_jobs(conn, "pdq", [b"new%d" % i for i in range(5)])
-    query = start()
+    query = start(processingTime="120 seconds")
     try:
         wait_until(lambda: len(rec.rows()) >= 155, 90, what="the new jobs read")
         assert all(conn.stats_job(j) is None for j in ids), "committed jobs left on the broker"

@@ -60,12 +60,12 @@ class LazyJobs:
         (length, _, _, pri, _, ttr, created, _, _, _, _, _, _, tube_len) = fmt.job_fields(data, pos)
         tstart = pos + fmt.JOB_RECORD_FIXED
         bstart = tstart + tube_len
-        pool = self.pool
+        pool = self.pool  # as Restorer.add: an int past the small-int cache shared by every job
         if pri > 256:
-            pri = pool.get(pri) or shared_int(pool, pri)
+            pri = shared_int(pool, pri)
         ttr //= NS
         if ttr > 256:
-            ttr = pool.get(ttr) or shared_int(pool, ttr)
+            ttr = shared_int(pool, ttr)
         job = ready_job(job_id, self.tubes[data[tstart:bstart]], pri, ttr, data[bstart:pos + fmt.FRAME_SIZE + length],
                         recovered_created(created, self.wall_off), self.homes[seg_no])
         left = self.left[seg_no] - 1
@@ -73,10 +73,6 @@ class LazyJobs:
         if not left and seg_no != self.filling:
             self._drop(seg_no)
         return job
-
-    def held_bytes(self) -> int:
-        """Bytes of segments kept for lazy jobs (a gauge for tests and the curious)."""
-        return sum(len(data) for data in self.datas.values())
 
     def _drop(self, seg_no: int) -> None:
         self.datas.pop(seg_no, None)

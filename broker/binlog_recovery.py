@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
-from broker.model import ID_BITS, NS, URGENT_THRESHOLD, ready_job, shared_int
+from broker.model import ID_BITS, NS, READY, URGENT_THRESHOLD, new_job, shared_int
 from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY, Job, Tube
 from broker.queue_restore import RecoveredJob, Restorer
 
@@ -374,7 +374,7 @@ class _Decoder:
         everything the restorer sees is that of the per-record walk)."""
         unpack, no_counters = fmt.JOB_BATCH_FIELDS.unpack_from, fmt.NO_COUNTER_BYTES
         check = bool(self.dead or self.latest)
-        updates, pool, make = self.updates, self.restorer.pool, ready_job
+        updates, pool, make = self.updates, self.restorer.pool, new_job
         wall_off, home, base, recent = self.wall_off, self.home, self.base, self.recent_created
         frame, k_job, fixed, other_size = fmt.FRAME_SIZE, fmt.K_JOB, fmt.JOB_RECORD_FIXED, fmt.DELETE_RECORD_SIZE
         k_update, update_size, grain, ns, urgent_pri = (fmt.K_UPDATE, fmt.UPDATE_RECORD_SIZE, _CREATED_GRAIN, _NS,
@@ -426,7 +426,7 @@ class _Decoder:
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
             ids.append(job_id)
-            jobs.append(make(job_id, tube, pri, ttr, data[bstart:pos + size], created, home))
+            jobs.append(make(job_id, tube, pri, 0, ttr, data[bstart:pos + size], created, READY, home))
             ready.append((pri << shift) | job_id)
             if pri < urgent_pri:
                 urgent += 1

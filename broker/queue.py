@@ -41,6 +41,7 @@ from broker.model import (
     heappop,
     heappush,
     job_reply,
+    new_job,
     shared_int,
 )
 from broker.stats import OP_STAT_ORDER, HostFacts
@@ -437,7 +438,7 @@ class Queue:
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
         delay_ns = delay * NS
-        job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
+        job = new_job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
         if self.listening:
             try:
                 self.listener.job_put(job)

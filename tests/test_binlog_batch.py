@@ -23,7 +23,7 @@ from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError
 from broker.binlog_recovery import RestoreTally, Scanner, restore_records
 from broker.jobtable import JobTable
-from broker.model import COMPILED, READY, Job, Tube, ready_job
+from broker.model import COMPILED, INVALID, READY, Job, Tube, new_job
 from broker.queue import Queue
 from broker.queue_restore import Restorer
 
@@ -167,16 +167,18 @@ def test_random_logs_recover_alike_both_ways(records):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_ready_job_sets_every_field_as_the_constructor_does():
+def test_new_job_sets_every_field_as_the_constructor_does():
+    """new_job skips the class call when interpreted: a ready recovered job and a delayed put."""
     tube = Tube("t", JobTable())
-    made = ready_job(7, tube, 1024, 60, b"x", 123, 4)
-    ref = Job(7, tube, 1024, 0, 60, b"x", 123)
-    ref.state = READY
-    ref.file = 4
-    names = JOB_FIELDS + ("tube", "reserver", "delay")
-    assert [getattr(made, n) for n in names] == [getattr(ref, n) for n in names]
-    if not COMPILED:  # every slot, also one added later to Job and forgotten in ready_job
-        assert [getattr(made, n) for n in Job.__slots__] == [getattr(ref, n) for n in Job.__slots__]
+    for delay, state, file in ((0, READY, 4), (5 * 10**9, INVALID, 0)):
+        made = new_job(7, tube, 1024, delay, 60, b"x", 123, state, file)
+        ref = Job(7, tube, 1024, delay, 60, b"x", 123)
+        ref.state = state
+        ref.file = file
+        names = JOB_FIELDS + ("tube", "reserver", "delay")
+        assert [getattr(made, n) for n in names] == [getattr(ref, n) for n in names]
+        if not COMPILED:  # every slot, also one added later to Job and forgotten in new_job
+            assert [getattr(made, n) for n in Job.__slots__] == [getattr(ref, n) for n in Job.__slots__]
 
 
 def test_put_many_equals_one_at_a_time():

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, read_file, say, truncate_file
-from broker.model import ID_BITS, NS, READY, URGENT_THRESHOLD, new_job, shared_int
+from broker.model import ID_BITS, NS, URGENT_THRESHOLD, new_job, shared_int
 from broker.queue import BURIED, CREATED_GRAIN, DELAYED, READY, Job, Tube
 from broker.queue_restore import RecoveredJob, Restorer
 

@@ -139,11 +139,6 @@ class Queue:
         self.cmd_reserve = 0
         self.cmd_delete = 0
         self.cmd_reserve_timeout = 0
-        self.ready_ct = 0
-        self.urgent_ct = 0
-        self.reserved_ct = 0
-        self.delayed_ct = 0
-        self.buried_ct = 0
         self.timeout_ct = 0
         self.total_jobs = 0
         self.waiting_ct = 0
@@ -155,6 +150,18 @@ class Queue:
         self.extra_stats: Callable[[], Mapping[str, object]] | None = None
         self.default_tube = self._tube("default")
         self.default_tube.refs += 1  # the server's own reference: default never goes away
+
+    def job_counts(self) -> tuple[int, int, int, int, int]:
+        """(urgent, ready, reserved, delayed, buried) jobs of the whole server: the sums of the tubes'
+        counts (a job keeps its tube alive), kept once rather than also server-wide on every move."""
+        urgent = ready = reserved = delayed = buried = 0
+        for tube in self.tubes.items:
+            urgent += tube.urgent_count
+            ready += tube.ready_count
+            reserved += tube.reserved_count
+            delayed += tube.delayed_count
+            buried += len(tube.buried)
+        return urgent, ready, reserved, delayed, buried
 
     def counted_ops(self) -> dict[str, int]:
         """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
@@ -214,16 +221,13 @@ class Queue:
             heappush(tube.delayed, heap_entry(job.deadline, job.id))
             job.state = DELAYED
             tube.delayed_count += 1
-            self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
             tube.push_ready(job.pri, job.id)
             job.state = READY
             tube.ready_count += 1
-            self.ready_ct += 1
             if job.pri < URGENT_THRESHOLD:
                 tube.urgent_count += 1
-                self.urgent_ct += 1
         if self.waiting_ct:
             self._process_queue(now)
 
@@ -231,26 +235,21 @@ class Queue:
         """The caller moves the job out of READY next: its heap entry is stale from then on."""
         tube = job.tube
         tube.ready_count -= 1
-        self.ready_ct -= 1
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
-            self.urgent_ct -= 1
         tube.prune_ready()
 
     def _remove_delayed(self, job: Job) -> None:
         """The caller moves the job out of DELAYED (or re-queues it) next."""
         tube = job.tube
         tube.delayed_count -= 1
-        self.delayed_ct -= 1
         tube.prune_delayed()
 
     def _remove_buried(self, job: Job) -> None:
         del job.tube.buried[job.id]
-        self.buried_ct -= 1
 
     def _bury(self, job: Job) -> None:
         job.tube.buried[job.id] = job
-        self.buried_ct += 1
         job.state = BURIED
         job.reserver = None
         job.buries += 1
@@ -263,7 +262,6 @@ class Queue:
         client.reserved[job.id] = job
         heappush(client.deadlines, (deadline, job.id, job))
         job.tube.reserved_count += 1
-        self.reserved_ct += 1
         client.pending_timeout = -1
         armed = client.ttr_armed
         if not armed or deadline < armed:  # arm_ttr's test: a reserve rarely needs the call
@@ -276,7 +274,6 @@ class Queue:
         del reserved[job.id]
         job.reserver = None
         job.tube.reserved_count -= 1
-        self.reserved_ct -= 1
         if not reserved:
             client.deadlines.clear()  # every entry left is stale
         elif len(client.deadlines) > 2 * len(reserved) + 64:

@@ -52,7 +52,7 @@ def _recover(directory: str, batch: bool, wall_off: int, ignore_damage: bool = F
             for job in queue.jobs.values()]
     tubes = [(t.name, sorted(t.ready + t.run_entries()), t.delayed, [j.id for j in t.buried.values()],
               t.ready_count, t.urgent_count, t.delayed_count, t.refs) for t in queue.tubes.items]
-    counts = (queue.ready_ct, queue.urgent_ct, queue.delayed_ct, queue.held_bytes, queue.next_id, queue.buried_ct)
+    counts = (*queue.job_counts(), queue.held_bytes, queue.next_id)
     segments = ({k: list(v) for k, v in tally.home_ids.items()}, tally.live, tally.jobs, tally.buried, tally.bytes)
     return {"scan": scan, "jobs": jobs, "tubes": tubes, "counts": counts, "segments": segments, "files": files,
             "table": queue.jobs.footprint()}

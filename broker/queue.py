@@ -442,7 +442,7 @@ class Queue:
             except StorageFull:
                 return p.OUT_OF_MEMORY
         tube.refs += 1
-        self.jobs[job_id] = job
+        self.jobs.put(job_id, job)
         self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1

@@ -81,7 +81,7 @@ class Restorer:
             job.set_counters(counters)
         job.file = file
         tube.refs += 1
-        self.jobs[job_id] = job
+        self.jobs.put(job_id, job)
         self.held += len(body)
         self.count += 1
         if job_id > self.max_id:

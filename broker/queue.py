@@ -428,14 +428,16 @@ class Queue:
             created = self.recent_now
             if now - created >= CREATED_GRAIN or now < created:
                 created = self.recent_now = now
-        if not COMPILED:  # interpreted, a priority or TTR above 256 would be a new int object per job
+        delay_ns = delay * NS
+        if COMPILED:  # Job() is a direct C call
+            job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
+        else:  # a priority or TTR above 256 would be a new int object per job; new_job skips the class call
             pool = self.int_pool
             if pri > 256:
                 pri = pool.get(pri) or shared_int(pool, pri)
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
-        delay_ns = delay * NS
-        job = new_job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
+            job = new_job(job_id, tube, pri, delay_ns, ttr or 1, body, created)
         if self.listening:
             try:
                 self.listener.job_put(job)

@@ -426,7 +426,7 @@ class _Decoder:
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
             ids.append(job_id)
-            jobs.append(make(job_id, tube, pri, 0, ttr, data[bstart:pos + size], created, READY, home))
+            jobs.append(make(job_id, tube, pri, ttr, data[bstart:pos + size], created, READY, home))
             ready.append((pri << shift) | job_id)
             if pri < urgent_pri:
                 urgent += 1

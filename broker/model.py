@@ -227,16 +227,15 @@ class Job:
 _object_new: Final[Any] = object.__new__
 
 
-def new_job(job_id: int, tube: Tube, pri: int, delay: int, ttr: int, body: bytes, created: int,
-            state: int = INVALID, file: int = 0) -> Job:
-    """What ``Job(job_id, tube, pri, delay, ttr, body, created)`` gives, with ``state`` and ``file``
-    set. Interpreted, without the class call: a class with an ``__init__`` is called through
-    ``type.__call__`` and the ``__init__`` slot wrapper, ~330 instructions more than this plain
-    function setting every slot, and a put makes one job a command, recovery a million
-    (tests/test_binlog_batch.py compares every slot with the constructor's). Compiled, the class
-    call is a direct C call."""
+def new_job(job_id: int, tube: Tube, pri: int, ttr: int, body: bytes, created: int, state: int, file: int) -> Job:
+    """What ``Job(job_id, tube, pri, 0, ttr, body, created)`` gives, with ``state`` and ``file`` set
+    (a delayed put sets ``delay`` after). Interpreted, without the class call: a class with an
+    ``__init__`` is called through ``type.__call__`` and the ``__init__`` slot wrapper, ~330
+    instructions more than this plain function setting every slot, and a put makes one job a
+    command, recovery a million (tests/test_binlog_batch.py compares every slot with the
+    constructor's). Compiled, the class call is a direct C call."""
     if COMPILED:
-        made = Job(job_id, tube, pri, delay, ttr, body, created)
+        made = Job(job_id, tube, pri, 0, ttr, body, created)
         made.state = state
         made.file = file
         return made
@@ -251,7 +250,7 @@ def new_job(job_id: int, tube: Tube, pri: int, delay: int, ttr: int, body: bytes
     job.deadline = 0
     job.reserver = None
     job.reserves = 0
-    job.rare = None if not delay else [0, 0, 0, 0, delay]
+    job.rare = None
     job.file = file
     return job
 

@@ -437,7 +437,9 @@ class Queue:
                 pri = pool.get(pri) or shared_int(pool, pri)
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
-            job = new_job(job_id, tube, pri, delay_ns, ttr or 1, body, created)
+            job = new_job(job_id, tube, pri, ttr or 1, body, created, INVALID, 0)
+            if delay_ns:
+                job.delay = delay_ns
         if self.listening:
             try:
                 self.listener.job_put(job)

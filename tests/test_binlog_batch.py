@@ -171,7 +171,9 @@ def test_new_job_sets_every_field_as_the_constructor_does():
     """new_job skips the class call when interpreted: a ready recovered job and a delayed put."""
     tube = Tube("t", JobTable())
     for delay, state, file in ((0, READY, 4), (5 * 10**9, INVALID, 0)):
-        made = new_job(7, tube, 1024, delay, 60, b"x", 123, state, file)
+        made = new_job(7, tube, 1024, 60, b"x", 123, state, file)
+        if delay:
+            made.delay = delay  # as Queue.put does
         ref = Job(7, tube, 1024, delay, 60, b"x", 123)
         ref.state = state
         ref.file = file

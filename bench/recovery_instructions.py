@@ -60,7 +60,7 @@ def child_recover(directory: str) -> None:
 
 def child_floor(directory: str) -> None:
     from broker.jobtable import JobTable
-    from broker.model import Tube, ready_job
+    from broker.model import READY, Tube, new_job
     gc.disable()
     tube = Tube("bench", JobTable())
     head, fields, crc32 = fmt.HEAD.unpack_from, fmt.JOB_FIELDS.unpack_from, fmt.crc32
@@ -80,7 +80,7 @@ def child_floor(directory: str) -> None:
         while pos < end:
             length, job_id, _s, pri, _d, _t, created, _dl, _r, _to, _rl, _b, _k, tube_len = fields(data, pos)
             size = frame + length
-            jobs.append(ready_job(job_id, tube, pri, 60, data[pos + fixed + tube_len:pos + size], created, 1))
+            jobs.append(new_job(job_id, tube, pri, 60, data[pos + fixed + tube_len:pos + size], created, READY, 1))
             ready.append((pri << 64) | job_id)
             pos += size
         kept.append((jobs, ready))

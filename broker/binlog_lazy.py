@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Final
 
 from broker import binlog_format as fmt
-from broker.model import NS, Job, Tube, ready_job, shared_int
+from broker.model import NS, READY, Job, Tube, new_job, shared_int
 from broker.queue_restore import recovered_created
 
 LOC_BITS: Final = 40
@@ -66,8 +66,8 @@ class LazyJobs:
         ttr //= NS
         if ttr > 256:
             ttr = shared_int(pool, ttr)
-        job = ready_job(job_id, self.tubes[data[tstart:bstart]], pri, ttr, data[bstart:pos + fmt.FRAME_SIZE + length],
-                        recovered_created(created, self.wall_off), self.homes[seg_no])
+        job = new_job(job_id, self.tubes[data[tstart:bstart]], pri, ttr, data[bstart:pos + fmt.FRAME_SIZE + length],
+                      recovered_created(created, self.wall_off), READY, self.homes[seg_no])
         left = self.left[seg_no] - 1
         self.left[seg_no] = left
         if not left and seg_no != self.filling:

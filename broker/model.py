@@ -227,14 +227,16 @@ class Job:
 _object_new: Final[Any] = object.__new__
 
 
-def ready_job(job_id: int, tube: Tube, pri: int, ttr: int, body: bytes, created: int, file: int) -> Job:
-    """A ready job as recovery makes it: what ``Job(job_id, tube, pri, 0, ttr, body, created)``
-    with ``state = READY`` and ``file = file`` gives. Interpreted, without the class call:
-    calling a class with an ``__init__`` costs about as much as setting every slot, and
-    recovery makes a million (tests/test_binlog_batch.py compares every slot)."""
+def new_job(job_id: int, tube: Tube, pri: int, ttr: int, body: bytes, created: int, state: int, file: int) -> Job:
+    """What ``Job(job_id, tube, pri, 0, ttr, body, created)`` gives, with ``state`` and ``file`` set
+    (a delayed put sets ``delay`` after). Interpreted, without the class call: a class with an
+    ``__init__`` is called through ``type.__call__`` and the ``__init__`` slot wrapper, ~330
+    instructions more than this plain function setting every slot, and a put makes one job a
+    command, recovery a million (tests/test_binlog_batch.py compares every slot with the
+    constructor's). Compiled, the class call is a direct C call."""
     if COMPILED:
         made = Job(job_id, tube, pri, 0, ttr, body, created)
-        made.state = READY
+        made.state = state
         made.file = file
         return made
     job: Job = _object_new(Job)
@@ -243,7 +245,7 @@ def ready_job(job_id: int, tube: Tube, pri: int, ttr: int, body: bytes, created:
     job.pri = pri
     job.ttr = ttr
     job.body = body
-    job.state = READY
+    job.state = state
     job.created = created
     job.deadline = 0
     job.reserver = None

@@ -41,6 +41,7 @@ from broker.model import (
     heappop,
     heappush,
     job_reply,
+    new_job,
     shared_int,
 )
 from broker.stats import OP_STAT_ORDER, HostFacts
@@ -138,11 +139,6 @@ class Queue:
         self.cmd_reserve = 0
         self.cmd_delete = 0
         self.cmd_reserve_timeout = 0
-        self.ready_ct = 0
-        self.urgent_ct = 0
-        self.reserved_ct = 0
-        self.delayed_ct = 0
-        self.buried_ct = 0
         self.timeout_ct = 0
         self.total_jobs = 0
         self.waiting_ct = 0
@@ -154,6 +150,18 @@ class Queue:
         self.extra_stats: Callable[[], Mapping[str, object]] | None = None
         self.default_tube = self._tube("default")
         self.default_tube.refs += 1  # the server's own reference: default never goes away
+
+    def job_counts(self) -> tuple[int, int, int, int, int]:
+        """(urgent, ready, reserved, delayed, buried) jobs of the whole server: the sums of the tubes'
+        counts (a job keeps its tube alive), kept once rather than also server-wide on every move."""
+        urgent = ready = reserved = delayed = buried = 0
+        for tube in self.tubes.items:
+            urgent += tube.urgent_count
+            ready += tube.ready_count
+            reserved += tube.reserved_count
+            delayed += tube.delayed_count
+            buried += len(tube.buried)
+        return urgent, ready, reserved, delayed, buried
 
     def counted_ops(self) -> dict[str, int]:
         """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
@@ -213,16 +221,13 @@ class Queue:
             heappush(tube.delayed, heap_entry(job.deadline, job.id))
             job.state = DELAYED
             tube.delayed_count += 1
-            self.delayed_ct += 1
             self.timers.push(job.deadline, DELAYED_READY, job)
         else:
             tube.push_ready(job.pri, job.id)
             job.state = READY
             tube.ready_count += 1
-            self.ready_ct += 1
             if job.pri < URGENT_THRESHOLD:
                 tube.urgent_count += 1
-                self.urgent_ct += 1
         if self.waiting_ct:
             self._process_queue(now)
 
@@ -230,26 +235,21 @@ class Queue:
         """The caller moves the job out of READY next: its heap entry is stale from then on."""
         tube = job.tube
         tube.ready_count -= 1
-        self.ready_ct -= 1
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
-            self.urgent_ct -= 1
         tube.prune_ready()
 
     def _remove_delayed(self, job: Job) -> None:
         """The caller moves the job out of DELAYED (or re-queues it) next."""
         tube = job.tube
         tube.delayed_count -= 1
-        self.delayed_ct -= 1
         tube.prune_delayed()
 
     def _remove_buried(self, job: Job) -> None:
         del job.tube.buried[job.id]
-        self.buried_ct -= 1
 
     def _bury(self, job: Job) -> None:
         job.tube.buried[job.id] = job
-        self.buried_ct += 1
         job.state = BURIED
         job.reserver = None
         job.buries += 1
@@ -262,7 +262,6 @@ class Queue:
         client.reserved[job.id] = job
         heappush(client.deadlines, (deadline, job.id, job))
         job.tube.reserved_count += 1
-        self.reserved_ct += 1
         client.pending_timeout = -1
         armed = client.ttr_armed
         if not armed or deadline < armed:  # arm_ttr's test: a reserve rarely needs the call
@@ -275,7 +274,6 @@ class Queue:
         del reserved[job.id]
         job.reserver = None
         job.tube.reserved_count -= 1
-        self.reserved_ct -= 1
         if not reserved:
             client.deadlines.clear()  # every entry left is stale
         elif len(client.deadlines) > 2 * len(reserved) + 64:
@@ -430,21 +428,25 @@ class Queue:
             created = self.recent_now
             if now - created >= CREATED_GRAIN or now < created:
                 created = self.recent_now = now
-        if not COMPILED:  # interpreted, a priority or TTR above 256 would be a new int object per job
+        delay_ns = delay * NS
+        if COMPILED:  # Job() is a direct C call
+            job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
+        else:  # a priority or TTR above 256 would be a new int object per job; new_job skips the class call
             pool = self.int_pool
             if pri > 256:
                 pri = pool.get(pri) or shared_int(pool, pri)
             if ttr > 256:
                 ttr = pool.get(ttr) or shared_int(pool, ttr)
-        delay_ns = delay * NS
-        job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s
+            job = new_job(job_id, tube, pri, ttr or 1, body, created, INVALID, 0)
+            if delay_ns:
+                job.delay = delay_ns
         if self.listening:
             try:
                 self.listener.job_put(job)
             except StorageFull:
                 return p.OUT_OF_MEMORY
         tube.refs += 1
-        self.jobs[job_id] = job
+        self.jobs.put(job_id, job)
         self.held_bytes += len(body)
         self.total_jobs += 1
         tube.total_jobs += 1

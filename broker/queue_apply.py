@@ -23,7 +23,7 @@ def apply_job(queue: Queue, job_id: int, tube_name: str, pri: int, delay_ns: int
     job.set_counters(counters)
     queue.listener.job_put(job)  # may raise StorageFull: nothing was changed yet
     tube.refs += 1
-    queue.jobs[job_id] = job
+    queue.jobs.put(job_id, job)
     queue.held_bytes += len(body)
     if job_id >= queue.next_id:
         queue.next_id = job_id + 1

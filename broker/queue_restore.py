@@ -71,9 +71,6 @@ class Restorer:
         self.pool = queue.int_pool  # equal priorities and TTRs share one int object, as after a put
         self.count = 0
         self.held = 0
-        self.ready = 0
-        self.urgent = 0
-        self.delayed = 0
         self.max_id = queue.next_id - 1
 
     def add(self, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes, state: int,
@@ -92,7 +89,7 @@ class Restorer:
             job.set_counters(counters)
         job.file = file
         tube.refs += 1
-        self.jobs[job_id] = job
+        self.jobs.put(job_id, job)
         self.held += len(body)
         self.count += 1
         if job_id > self.max_id:
@@ -104,16 +101,13 @@ class Restorer:
             tube.delayed.append(heap_entry(deadline, job_id))
             job.state = _DELAYED
             tube.delayed_count += 1
-            self.delayed += 1
             self.queue.timers.push(deadline, _DELAYED_READY, job)
         else:
             tube.push_ready(pri, job_id)  # ids in order (the usual binlog) queue on the run: no heapify
             job.state = _READY
             tube.ready_count += 1
-            self.ready += 1
             if pri < _URGENT:
                 tube.urgent_count += 1
-                self.urgent += 1
 
     def tube(self, name: str) -> Tube:
         """The tube of that name, made if needed."""
@@ -134,8 +128,6 @@ class Restorer:
         tube.urgent_count += urgent
         self.held += held
         self.count += count
-        self.ready += count
-        self.urgent += urgent
         top = max(ids) if count else 0
         if top > self.max_id:
             self.max_id = top
@@ -151,9 +143,6 @@ class Restorer:
             heapq.heapify(tube.ready)
             heapq.heapify(tube.delayed)
         queue.held_bytes += self.held
-        queue.ready_ct += self.ready
-        queue.urgent_ct += self.urgent
-        queue.delayed_ct += self.delayed
         queue.next_id = max(queue.next_id, self.max_id + 1)
         queue_apply.serve_waiting(queue)
         return self.count

@@ -121,7 +121,7 @@ class BrokerServer:
         limit = self.config.limits.idle_timeout
         for conn in list(self.connections):
             if conn.activity or conn.client.waiting or conn.busy:
-                conn.activity = 0
+                conn.activity = False
                 conn.idle_sweeps = 0
                 continue
             conn.idle_sweeps += 1

@@ -103,12 +103,13 @@ def stats(queue: Queue, client: Client) -> bytes:
 
 
 def _job_counts(queue: Queue) -> list[str]:
+    urgent, ready, reserved, delayed, buried = queue.job_counts()
     return [
-        f"current-jobs-urgent: {queue.urgent_ct}",
-        f"current-jobs-ready: {queue.ready_ct}",
-        f"current-jobs-reserved: {queue.reserved_ct}",
-        f"current-jobs-delayed: {queue.delayed_ct}",
-        f"current-jobs-buried: {queue.buried_ct}",
+        f"current-jobs-urgent: {urgent}",
+        f"current-jobs-ready: {ready}",
+        f"current-jobs-reserved: {reserved}",
+        f"current-jobs-delayed: {delayed}",
+        f"current-jobs-buried: {buried}",
     ]
 
 

@@ -23,7 +23,7 @@ from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError
 from broker.binlog_recovery import RestoreTally, Scanner, restore_records
 from broker.jobtable import JobTable
-from broker.model import COMPILED, READY, Job, Tube, ready_job
+from broker.model import COMPILED, INVALID, READY, Job, Tube, new_job
 from broker.queue import Queue
 from broker.queue_restore import Restorer
 
@@ -52,7 +52,7 @@ def _recover(directory: str, batch: bool, wall_off: int, ignore_damage: bool = F
             for job in queue.jobs.values()]
     tubes = [(t.name, sorted(t.ready + t.run_entries()), t.delayed, [j.id for j in t.buried.values()],
               t.ready_count, t.urgent_count, t.delayed_count, t.refs) for t in queue.tubes.items]
-    counts = (queue.ready_ct, queue.urgent_ct, queue.delayed_ct, queue.held_bytes, queue.next_id, queue.buried_ct)
+    counts = (*queue.job_counts(), queue.held_bytes, queue.next_id)
     segments = ({k: list(v) for k, v in tally.home_ids.items()}, tally.live, tally.jobs, tally.buried, tally.bytes)
     return {"scan": scan, "jobs": jobs, "tubes": tubes, "counts": counts, "segments": segments, "files": files,
             "table": queue.jobs.footprint()}
@@ -167,16 +167,20 @@ def test_random_logs_recover_alike_both_ways(records):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_ready_job_sets_every_field_as_the_constructor_does():
+def test_new_job_sets_every_field_as_the_constructor_does():
+    """new_job skips the class call when interpreted: a ready recovered job and a delayed put."""
     tube = Tube("t", JobTable())
-    made = ready_job(7, tube, 1024, 60, b"x", 123, 4)
-    ref = Job(7, tube, 1024, 0, 60, b"x", 123)
-    ref.state = READY
-    ref.file = 4
-    names = JOB_FIELDS + ("tube", "reserver", "delay")
-    assert [getattr(made, n) for n in names] == [getattr(ref, n) for n in names]
-    if not COMPILED:  # every slot, also one added later to Job and forgotten in ready_job
-        assert [getattr(made, n) for n in Job.__slots__] == [getattr(ref, n) for n in Job.__slots__]
+    for delay, state, file in ((0, READY, 4), (5 * 10**9, INVALID, 0)):
+        made = new_job(7, tube, 1024, 60, b"x", 123, state, file)
+        if delay:
+            made.delay = delay  # as Queue.put does
+        ref = Job(7, tube, 1024, delay, 60, b"x", 123)
+        ref.state = state
+        ref.file = file
+        names = JOB_FIELDS + ("tube", "reserver", "delay")
+        assert [getattr(made, n) for n in names] == [getattr(ref, n) for n in names]
+        if not COMPILED:  # every slot, also one added later to Job and forgotten in new_job
+            assert [getattr(made, n) for n in Job.__slots__] == [getattr(ref, n) for n in Job.__slots__]
 
 
 def test_put_lazy_equals_one_at_a_time():
@@ -233,7 +237,8 @@ def test_lazy_jobs_are_made_on_first_use_and_their_segments_let_go():
         shutil.rmtree(d, ignore_errors=True)
     lazy = queue.jobs.loader.__self__  # type: ignore[union-attr]
     assert (len(queue.jobs), queue.jobs.unmade, sorted(lazy.datas)) == (1301, 1300, [0, 1])
-    assert queue.ready_ct == 1300 and queue.buried_ct == 1
+    _urgent, ready, _reserved, _delayed, buried = queue.job_counts()
+    assert (ready, buried) == (1300, 1)
     replies: list[bytes] = []
     client = queue_verbs.connect(queue, replies.append, "test")
     assert queue_verbs.peek(queue, client, 1200) == b"FOUND 1200 9\r\nbody 1200\r\n"

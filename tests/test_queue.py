@@ -398,6 +398,27 @@ def test_parse_packet_agrees_with_the_incremental_decoder(cases):
             assert [fast] == items and slow.buffered() == 0, packet
 
 
+def test_a_cached_put_line_serves_every_path_of_the_decoder() -> None:
+    """The line cache keeps a put line as a plain tuple (protocol.PutLine): a decoder with a smaller
+    limit sharing the cache still refuses it (parse_line, parse_packet, next_command), and a body
+    arriving in pieces still gives the named put-header record and then the put."""
+    cache: p.LineCache = {}
+    big = p.Decoder(65535, line_cache=cache)
+    assert big.parse_packet(b"put 1 0 60 200\r\n" + b"x" * 200 + b"\r\n") == ("put", 1, 0, 60, b"x" * 200, False)
+    assert b"put 1 0 60 200" in cache
+    with pytest.raises(p.TooBig):
+        p.parse_line(b"put 1 0 60 200", 100, cache)
+    small = p.Decoder(100, line_cache=cache)
+    assert small.parse_packet(b"put 1 0 60 200\r\n" + b"x" * 200 + b"\r\n") is None
+    small.feed(b"put 1 0 60 200\r\n" + b"x" * 200 + b"\r\n")
+    assert drain(small) == [p.TOO_BIG, p.Error("error", p.JOB_TOO_BIG, None)]
+    big.feed(b"put 1 0 60 200\r\n" + b"y" * 100)
+    header = big.next_command()
+    assert type(header) is p.PutLine and header == ("put-header", 1, 0, 60, 200)
+    big.feed(b"y" * 100 + b"\r\n")
+    assert big.next_command() == ("put", 1, 0, 60, b"y" * 200, True)
+
+
 def test_ready_heap_entries_of_a_requeued_job_stay_bounded_and_serve_it_once() -> None:
     """reserve-job takes a ready job out of the middle of its heap (its entry goes stale);
     released under the same priority, the job has two equal entries: served once, and the

@@ -134,6 +134,11 @@ def running() -> Selection:
     return inspect_build() if not inspect_build().compiled else Selection(False, "interpreted")
 
 
+def core_name() -> str:
+    """"compiled" or "interpreted": the core this process runs, for the start-up log and the metrics."""
+    return "compiled" if running().compiled else "interpreted"
+
+
 def describe() -> str:
     """One line for benchmarks and logs: which build the hot modules of this process run."""
     for module in HOT_MODULES:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from broker import logs
+from broker import _build, logs
 from broker import protocol as p
 from broker.connection import BrokerConnection
 from broker.limits import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_SLOW_READER_TIMEOUT, Limits
@@ -180,7 +180,8 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
 
     def ready(server: BrokerServer) -> None:
         if verbose:
-            logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()))
+            logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()),
+                       core=_build.core_name())
 
     try:
         asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard,

@@ -144,3 +144,28 @@ def test_no_dashboard_serves_only_the_probes_and_metrics():
         assert get(base + "/")[0] == 404
         assert get(base + "/readyz") == (200, "ready\n")  # no binlog: nothing to probe
         assert "beanstalk_connections" in get(base + "/metrics")[1]
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_the_core_a_broker_runs_is_logged_and_exported(tmp_path, pure):
+    """An install without a C compiler runs the interpreted core at about half the speed: an
+    operator sees which core runs in the start-up log line and in ``beanstalk_build_info``."""
+    from broker import _build
+
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_BEANSTALK_PURE"}
+    if pure:
+        env["SPARK_BEANSTALK_PURE"] = "1"
+    expected = "compiled" if _build.inspect_build().compiled and not pure else "interpreted"
+    http_port = free_port()
+    log_path = tmp_path / "broker.log"
+    proc = broker_process(extra_args=["-V", "--http", f"127.0.0.1:{http_port}"], env=env,
+                          stderr_path=str(log_path)).start()
+    try:
+        wait_for_port("127.0.0.1", http_port, 10, proc.proc)
+        status, text = get(f"http://127.0.0.1:{http_port}/metrics")
+    finally:
+        proc.stop()
+    assert status == 200
+    assert f'beanstalk_build_info{{core="{expected}"}} 1.0' in text
+    listening = [line for line in log_path.read_text().splitlines() if "event=listening" in line]
+    assert len(listening) == 1 and f"core={expected}" in listening[0].split(" ")

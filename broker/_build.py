@@ -14,6 +14,7 @@ instead, for every hot module at once, when
 """
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -134,8 +135,10 @@ def running() -> Selection:
     return inspect_build() if not inspect_build().compiled else Selection(False, "interpreted")
 
 
+@functools.cache
 def core_name() -> str:
-    """"compiled" or "interpreted": the core this process runs, for the start-up log and the metrics."""
+    """The core this process runs, "compiled" or "interpreted" (the start-up log, every metrics scrape:
+    it cannot change once the hot modules are imported)."""
     return "compiled" if running().compiled else "interpreted"
 
 

@@ -75,15 +75,22 @@ class InFlight:
         self._threads: list[threading.Thread] = []
 
     # --- life cycle -----------------------------------------------------------------------
-    def start(self) -> None:
-        """Connect to every broker; fail at once only when none can be reached (a wrong 'hosts')."""
+    def start(self, resuming: bool = False) -> None:
+        """Connect to every broker. A new query fails at once when none can be reached (a wrong
+        'hosts' is the likely cause). A query resuming from its checkpoint reached them before, so
+        a broker down now is a fault like any other: retried up to brokerRetrySeconds (a driver
+        restarted by a supervisor while the broker restarts too must not fail for it)."""
         for b in self.brokers:
             with b.lock:
                 b.open()
         if not any(b.connected() for b in self.brokers):
             b = self.brokers[0]
-            raise BeanstalkSourceError(f"beanstalk source: cannot reach broker {b.address} ({b.last_error}); "
-                                       "check the 'hosts' option")
+            if not resuming:
+                raise BeanstalkSourceError(f"beanstalk source: cannot reach broker {b.address} ({b.last_error}); "
+                                           "check the 'hosts' option")
+            log.warning("beanstalk source: resuming from the checkpoint with no broker reachable (%s: %s); "
+                        "retrying for up to brokerRetrySeconds=%g", b.address, b.last_error,
+                        self.opts.broker_retry_seconds)
         for target, name in ((self.toucher.run, "beanstalk-touch"), (self._worker_loop, "beanstalk-worker")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()

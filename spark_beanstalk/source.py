@@ -135,12 +135,14 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.schema = state["schema"]
         self._init_runtime()
 
-    def _started(self) -> InFlight:
+    def _started(self, resuming: bool = False) -> InFlight:
+        """The in-flight manager, connected on first use. `resuming`: Spark handed an offset from
+        the checkpoint (a batch to replay, or a start past 0), so the brokers were right before."""
         if self._stopped:     # never connect again after stop: nothing would close it
             raise BeanstalkSourceError("beanstalk source: the reader was stopped")
         if self._inflight is None:
             inflight = InFlight(self.opts)
-            inflight.start()
+            inflight.start(resuming)
             self._inflight = inflight
         return self._inflight
 
@@ -193,8 +195,8 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return self._lag.ready() + inflight.pool.count() < self.opts.min_jobs_per_trigger
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
-        inflight = self._started()
         start_seq = offset_seq(start)
+        inflight = self._started(resuming=start_seq > 0)
         # Spark calls latestOffset(start=X) only once the batch ending at X is in its commit log.
         if not self._cleaned:
             self._cleaned = True
@@ -252,7 +254,7 @@ class BeanstalkStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         seq = offset_seq(end)
         if seq == offset_seq(start):
             return []
-        inflight = self._started()
+        inflight = self._started(resuming=True)  # first call of a run: the replay of a checkpointed batch
         t0 = time.perf_counter()
         batch = inflight.batches.get(seq)
         if batch is None or batch.offset != end:

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
 import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from spark_beanstalk.embedded import (
     ServerExitedEarly,
@@ -25,18 +30,26 @@ from spark_beanstalk.embedded import (
 )
 
 __all__ = [
+    "BatchFiles",
     "ServerExitedEarly",
     "ReplicaSet",
     "ServerProcess",
     "TcpProxy",
+    "assert_exactly_once",
     "beanstalkd_process",
     "drain_tube",
     "broker_process",
     "etcd_process",
     "free_port",
+    "left_in",
     "member_process",
+    "put_bodies",
+    "report",
+    "shut_down",
+    "start_query",
     "start_server",
     "tube_jobs",
+    "wait_delivered",
     "wait_for_port",
     "wait_until",
 ]
@@ -57,6 +70,7 @@ class TcpProxy:
         self.host, self.port = "127.0.0.1", self._listener.getsockname()[1]
         self.open = True
         self.cuts = 0
+        self.refused = 0  # connections closed at once during a partition: the attempts a client made
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -74,6 +88,7 @@ class TcpProxy:
                 return
             if not self.open:
                 client.close()
+                self.refused += 1
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
@@ -209,3 +224,97 @@ class ReplicaSet:
         for m in self.members:
             m.stop()
         self.etcd.stop()
+
+
+# --- streaming-query helpers: an idempotent sink and exactly-once checks (source fault tests, bench/soak.py)
+
+def put_bodies(proc: ServerProcess, tube: str, bodies: list[bytes]) -> list[int]:
+    """Put each body (pri 100, ttr 60) into `tube`, pipelined; their ids."""
+    from spark_beanstalk.client import Connection, encode_put
+
+    with Connection(proc.host, proc.port, timeout=10) as conn:
+        conn.use(tube)
+        ids = []
+        for reply in conn.pipeline([encode_put(b, 100, 0, 60) for b in bodies]):
+            assert reply.status == b"INSERTED", reply
+            ids.append(int(reply.args[0]))
+    return ids
+
+
+def left_in(proc: ServerProcess, tube: str) -> int:
+    """Jobs of the tube still ready or reserved."""
+    counts = tube_jobs(proc, tube)
+    return counts["ready"] + counts["reserved"]
+
+
+def report(query: Any) -> dict[str, Any]:
+    """The source's latest offset as the query last reported it (per-broker state)."""
+    progress = query.lastProgress
+    latest = progress["sources"][0].get("latestOffset") if progress else None
+    return json.loads(latest) if isinstance(latest, str) else (latest or {})
+
+
+def shut_down(query: Any, proxy: TcpProxy | None, *servers: ServerProcess) -> None:
+    """A streaming test's teardown: the query first (it holds reservations), then the proxy, then the servers."""
+    if query is not None:
+        query.stop()
+    if proxy is not None:
+        proxy.close()
+    for srv in servers:
+        srv.stop()
+
+
+class BatchFiles:
+    """foreachBatch sink writing one JSON file per batch id (a replay overwrites it); `hook`
+    runs after the write, while Spark still waits for the batch: "during a batch"."""
+
+    def __init__(self, out: Path, hook: Callable[[int, list[tuple[str, str]]], None] | None = None) -> None:
+        self.out = out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.hook = hook
+        self.calls: Counter[int] = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        rows = [(r.broker, bytes(r.body).decode()) for r in df.select("broker", "body").collect()]
+        tmp = self.out / f".{batch_id}.tmp"
+        tmp.write_text(json.dumps(rows))
+        tmp.replace(self.out / f"{batch_id:06d}.json")
+        with self.lock:
+            self.calls[batch_id] += 1
+        if self.hook is not None and rows:
+            self.hook(batch_id, rows)
+
+    def batches(self) -> dict[int, list[tuple[str, str]]]:
+        return {int(p.stem): [tuple(r) for r in json.loads(p.read_text())] for p in sorted(self.out.glob("*.json"))}
+
+    def seen(self) -> Counter[tuple[str, str]]:
+        return Counter(row for rows in self.batches().values() for row in rows)
+
+
+def assert_exactly_once(sink: BatchFiles, expected: set[tuple[str, str]]) -> None:
+    seen = sink.seen()
+    dups = sorted(k for k, n in seen.items() if n > 1)
+    lost = sorted(expected - set(seen))
+    extra = sorted(set(seen) - expected)
+    assert not lost and not dups and not extra, (
+        f"lost {len(lost)} {lost[:5]}, duplicated across batches {len(dups)} {dups[:5]}, unexpected {len(extra)} "
+        f"{extra[:5]}")
+
+
+def start_query(spark: Any, sink: BatchFiles, ckpt: Path, hosts: str, **options: Any) -> Any:
+    reader = spark.readStream.format("beanstalk").option("hosts", hosts).option("tubes", "t")
+    for key, value in {"maxJobsPerTrigger": 100, **options}.items():
+        reader = reader.option(key, str(value))
+    return (reader.load().writeStream.foreachBatch(sink).option("checkpointLocation", str(ckpt))
+            .trigger(processingTime="500 milliseconds").start())
+
+
+def wait_delivered(sink: BatchFiles, expected: set[tuple[str, str]], procs: list[ServerProcess], query: Any,
+                   timeout: float = 120) -> None:
+    def done() -> bool:
+        if query is not None and query.exception() is not None:
+            raise AssertionError(f"the query failed: {query.exception()}")
+        return expected <= set(sink.seen()) and all(left_in(p, "t") == 0 for p in procs)
+
+    wait_until(done, timeout, interval=0.25, what="every job in the sink and none left ready or reserved")

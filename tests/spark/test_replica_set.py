@@ -17,8 +17,16 @@ import pytest
 from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.embedded import ServerProcess
 from spark_beanstalk.writer import beanstalk_put
-from tests.helpers import ReplicaSet, drain_tube, wait_until
-from tests.spark.test_source_faults import BatchFiles, assert_exactly_once, left_in, put, start_query
+from tests.helpers import (
+    BatchFiles,
+    ReplicaSet,
+    assert_exactly_once,
+    drain_tube,
+    left_in,
+    put_bodies,
+    start_query,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
@@ -46,7 +54,7 @@ def test_source_reads_through_a_leader_failover(spark, replica_set, tmp_path):
     leader = rs.leader()
     assert leader is not None
     first = [f"a-{i}".encode() for i in range(JOBS)]
-    put(leader, "t", first)
+    put_bodies(leader, "t", first)
     killed: list[ServerProcess] = []
 
     def kill_during_batch(batch_id: int, rows: list[tuple[str, str]]) -> None:
@@ -60,7 +68,7 @@ def test_source_reads_through_a_leader_failover(spark, replica_set, tmp_path):
         wait_until(lambda: bool(killed) or query.exception() is not None, 60, what="the leader killed mid-batch")
         new = _new_leader(rs, killed[0])
         second = [f"b-{i}".encode() for i in range(JOBS // 2)]
-        put(new, "t", second)                  # taken by the new leader, read through the same `hosts`
+        put_bodies(new, "t", second)                  # taken by the new leader, read through the same `hosts`
         expected = {(rs.hosts, b.decode()) for b in first + second}
 
         def done() -> bool:

@@ -8,18 +8,25 @@ one batch file, none left ready or reserved, and the query never fails.
 """
 from __future__ import annotations
 
-import json
 import threading
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from spark_beanstalk.client import Connection, encode_put
 from spark_beanstalk.embedded import ServerProcess, beanstalkd_process, broker_process
-from tests.helpers import TcpProxy, wait_until
+from tests.helpers import (
+    BatchFiles,
+    TcpProxy,
+    assert_exactly_once,
+    left_in,
+    put_bodies,
+    report,
+    shut_down,
+    start_query,
+    wait_delivered,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
@@ -44,85 +51,6 @@ def restart(proc: ServerProcess, binlog: Path | None = None) -> None:
     proc.start()
 
 
-def put(proc: ServerProcess, tube: str, bodies: list[bytes]) -> list[int]:
-    with Connection(proc.host, proc.port, timeout=10) as conn:
-        conn.use(tube)
-        ids = []
-        for reply in conn.pipeline([encode_put(b, 100, 0, 60) for b in bodies]):
-            assert reply.status == b"INSERTED", reply
-            ids.append(int(reply.args[0]))
-    return ids
-
-
-def left_in(proc: ServerProcess, tube: str) -> int:
-    """Jobs of the tube still ready or reserved."""
-    with Connection(proc.host, proc.port, timeout=10) as conn:
-        st = conn.stats_tube(tube) or {}
-    return int(st.get("current-jobs-ready", 0)) + int(st.get("current-jobs-reserved", 0))
-
-
-def report(query: Any) -> dict[str, Any]:
-    progress = query.lastProgress
-    latest = progress["sources"][0].get("latestOffset") if progress else None
-    return json.loads(latest) if isinstance(latest, str) else (latest or {})
-
-
-class BatchFiles:
-    """foreachBatch sink writing one JSON file per batch id (a replay overwrites it); `hook`
-    runs after the write, while Spark still waits for the batch: "during a batch"."""
-
-    def __init__(self, out: Path, hook: Callable[[int, list[tuple[str, str]]], None] | None = None) -> None:
-        self.out = out
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.hook = hook
-        self.calls: Counter[int] = Counter()
-        self.lock = threading.Lock()
-
-    def __call__(self, df: Any, batch_id: int) -> None:
-        rows = [(r.broker, bytes(r.body).decode()) for r in df.select("broker", "body").collect()]
-        tmp = self.out / f".{batch_id}.tmp"
-        tmp.write_text(json.dumps(rows))
-        tmp.replace(self.out / f"{batch_id:06d}.json")
-        with self.lock:
-            self.calls[batch_id] += 1
-        if self.hook is not None and rows:
-            self.hook(batch_id, rows)
-
-    def batches(self) -> dict[int, list[tuple[str, str]]]:
-        return {int(p.stem): [tuple(r) for r in json.loads(p.read_text())] for p in sorted(self.out.glob("*.json"))}
-
-    def seen(self) -> Counter[tuple[str, str]]:
-        return Counter(row for rows in self.batches().values() for row in rows)
-
-
-def assert_exactly_once(sink: BatchFiles, expected: set[tuple[str, str]]) -> None:
-    seen = sink.seen()
-    dups = sorted(k for k, n in seen.items() if n > 1)
-    lost = sorted(expected - set(seen))
-    extra = sorted(set(seen) - expected)
-    assert not lost and not dups and not extra, (
-        f"lost {len(lost)} {lost[:5]}, duplicated across batches {len(dups)} {dups[:5]}, unexpected {len(extra)} "
-        f"{extra[:5]}")
-
-
-def start_query(spark: Any, sink: BatchFiles, ckpt: Path, hosts: str, **options: Any) -> Any:
-    reader = spark.readStream.format("beanstalk").option("hosts", hosts).option("tubes", "t")
-    for key, value in {"maxJobsPerTrigger": 100, **options}.items():
-        reader = reader.option(key, str(value))
-    return (reader.load().writeStream.foreachBatch(sink).option("checkpointLocation", str(ckpt))
-            .trigger(processingTime="500 milliseconds").start())
-
-
-def wait_delivered(sink: BatchFiles, expected: set[tuple[str, str]], procs: list[ServerProcess], query: Any,
-                   timeout: float = 120) -> None:
-    def done() -> bool:
-        if query is not None and query.exception() is not None:
-            raise AssertionError(f"the query failed: {query.exception()}")
-        return expected <= set(sink.seen()) and all(left_in(p, "t") == 0 for p in procs)
-
-    wait_until(done, timeout, interval=0.25, what="every job in the sink and none left ready or reserved")
-
-
 def bodies(proc: ServerProcess, tag: str, n: int) -> list[bytes]:
     return [f"{tag}-{proc.port}-{i}".encode() for i in range(n)]
 
@@ -137,7 +65,7 @@ def test_broker_killed_three_times(spark, kind, tmp_path):
     query = None
     try:
         first = bodies(srv, "a", 500)
-        put(srv, "t", first)
+        put_bodies(srv, "t", first)
         killed: set[int] = set()
 
         def hook(batch_id: int, rows: list[tuple[str, str]]) -> None:
@@ -152,7 +80,7 @@ def test_broker_killed_three_times(spark, kind, tmp_path):
         assert killed == {1, 3}
         restart(srv)                                   # idle, between batches
         more = bodies(srv, "b", 200)
-        put(srv, "t", more)
+        put_bodies(srv, "t", more)
         expected |= {(srv.address, b.decode()) for b in more}
         wait_delivered(sink, expected, [srv], query)
         state = wait_until(lambda: report(query).get("brokers", {}).get(srv.address), 30, what="progress")
@@ -174,7 +102,7 @@ def test_proxy_cuts_every_connection(spark, kind, tmp_path):
     query = None
     try:
         first = bodies(srv, "a", 500)
-        put(srv, "t", first)
+        put_bodies(srv, "t", first)
         cuts: list[int] = []
 
         def hook(batch_id: int, rows: list[tuple[str, str]]) -> None:
@@ -188,16 +116,13 @@ def test_proxy_cuts_every_connection(spark, kind, tmp_path):
         assert cuts and cuts[0] >= 3, "the cut mid-batch dropped the control and reservation connections"
         assert proxy.cut_all() >= 3                    # idle
         more = bodies(srv, "b", 200)
-        put(srv, "t", more)
+        put_bodies(srv, "t", more)
         expected |= {(proxy.address, b.decode()) for b in more}
         wait_delivered(sink, expected, [srv], query)
         state = report(query)["brokers"][proxy.address]
         assert query.isActive and query.exception() is None
     finally:
-        if query is not None:
-            query.stop()
-        proxy.close()
-        srv.stop()
+        shut_down(query, proxy, srv)
     assert_exactly_once(sink, expected)
     assert state["reconnects"] >= 2
 
@@ -216,7 +141,7 @@ def test_one_broker_down_then_past_the_bound(spark, kind, tmp_path):
 
     def add(proc: ServerProcess, tag: str, n: int) -> None:
         new = bodies(proc, tag, n)
-        put(proc, "t", new)
+        put_bodies(proc, "t", new)
         expected.update((proc.address, x.decode()) for x in new)
 
     try:
@@ -265,6 +190,37 @@ def test_one_broker_down_then_past_the_bound(spark, kind, tmp_path):
     assert_exactly_once(sink, expected)
 
 
+def test_restart_from_checkpoint_while_the_broker_is_unreachable(spark, tmp_path):
+    """The query is restarted from its checkpoint while its only broker cannot be reached (found by
+    bench/soak.py: a driver restart during a broker restart failed the query at once, as a wrong
+    'hosts' does). It must wait, as for a broker lost mid-run, and then deliver each job once."""
+    srv = start_server("ours", tmp_path / "binlog")
+    proxy = TcpProxy(srv.host, srv.port)
+    query = None
+    try:
+        first = bodies(srv, "a", 300)
+        put_bodies(srv, "t", first)
+        sink = BatchFiles(tmp_path / "out")
+        opts = {"maxJobsPerTrigger": 100, "brokerRetrySeconds": 60}
+        query = start_query(spark, sink, tmp_path / "ckpt", proxy.address, **opts)
+        wait_until(lambda: len(sink.batches()) >= 2, 60, what="two batches before the restart")
+        query.stop()
+        proxy.cut()                                       # unreachable: connections closed at once
+        more = bodies(srv, "b", 100)
+        put_bodies(srv, "t", more)
+        query = start_query(spark, sink, tmp_path / "ckpt", proxy.address, **opts)
+        tried = proxy.refused
+        wait_until(lambda: proxy.refused >= tried + 3 or query.exception() is not None, 60,
+                   what="the restarted query tries the broker three times")
+        assert query.exception() is None and query.isActive, f"the query failed: {query.exception()}"
+        proxy.restore()
+        expected = {(proxy.address, b.decode()) for b in first + more}
+        wait_delivered(sink, expected, [srv], query)
+    finally:
+        shut_down(query, proxy, srv)
+    assert_exactly_once(sink, expected)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_restart_without_binlog_reuses_ids(spark, kind, tmp_path):
     """The broker loses its binlog while batch 0 is in flight and gets new jobs under the same ids:
@@ -273,14 +229,14 @@ def test_restart_without_binlog_reuses_ids(spark, kind, tmp_path):
     query = None
     try:
         old = bodies(srv, "old", 200)
-        old_ids = put(srv, "t", old)
+        old_ids = put_bodies(srv, "t", old)
         new = bodies(srv, "new", 200)
         new_ids: list[int] = []
 
         def hook(batch_id: int, rows: list[tuple[str, str]]) -> None:
             if batch_id == 0 and not new_ids:
                 restart(srv, tmp_path / "empty-binlog")
-                new_ids.extend(put(srv, "t", new))
+                new_ids.extend(put_bodies(srv, "t", new))
 
         sink = BatchFiles(tmp_path / "out", hook)
         query = start_query(spark, sink, tmp_path / "ckpt", srv.address, maxJobsPerTrigger=100)
@@ -317,12 +273,12 @@ def test_reader_level_commit_after_binlog_loss_deletes_no_new_job(kind, tmp_path
     reader = BeanstalkStreamReader(SourceOptions.parse({"hosts": srv.address, "tubes": "t", "prefetch": "false"}),
                                    SCHEMA)
     try:
-        old_ids = put(srv, "t", bodies(srv, "old", 5))
+        old_ids = put_bodies(srv, "t", bodies(srv, "old", 5))
         start = reader.initialOffset()
         end1 = reader.latestOffset(start, ReadMaxRows(100))
         assert decode_ranges(end1["jobs"][srv.address]["ids"]) == old_ids
         restart(srv, tmp_path / "empty-binlog")
-        new_ids = put(srv, "t", bodies(srv, "new", 5))
+        new_ids = put_bodies(srv, "t", bodies(srv, "new", 5))
         assert new_ids == old_ids
         end2 = reader.latestOffset(end1, ReadMaxRows(100))          # batch 1 committed: its deletes run
         assert decode_ranges(end2["jobs"][srv.address]["ids"]) == new_ids, "the new jobs are read as new jobs"

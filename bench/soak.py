@@ -53,8 +53,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (str(ROOT), str(ROOT / "bench")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from broker_bench import proc_status  # noqa: E402
 
 from beanstalk_rules.hosts import parse_brokers  # noqa: E402
 from spark_beanstalk.client import BeanstalkError, Connection  # noqa: E402
@@ -68,18 +71,6 @@ CHAOS = {  # action -> weight
     "single": {"kill": 4, "cut": 3, "partition": 1, "requery": 2},
     "cluster": {"kill-leader": 4, "kill-replica": 2, "requery": 2},
 }
-
-
-def proc_kib(pid: int, key: str) -> int:
-    """A kB field of /proc/PID/status (0 once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def connect(host: str, port: int) -> Connection:
@@ -181,9 +172,7 @@ class Soak:
         self.actions[action] += 1
         if action == "kill":
             assert self.srv is not None
-            self.srv.kill()
-            self.srv.port_chosen = False
-            self.srv.start()
+            self.srv.restart()
         elif action == "cut":
             assert self.proxy is not None
             self.proxy.cut_all()
@@ -205,8 +194,7 @@ class Soak:
         victim = current if leader else self.rng.choice(others)
         victim.kill()
         time.sleep(self.rng.uniform(0.5, 5))
-        victim.port_chosen = False
-        victim.start()
+        victim.restart()
 
     def left(self) -> int:
         """Jobs of the tube ready or reserved on the broker (a cluster's leader; -1: none leads now)."""
@@ -228,7 +216,7 @@ class Soak:
         went through."""
         rss, disk = [], []
         for proc, binlog in self.servers():
-            rss.append(round((proc_kib(proc.pid, "VmRSS") if proc.proc and proc.proc.poll() is None else 0) / 1024, 1))
+            rss.append(round((proc_status(proc.pid, "VmRSS") or 0) / 2**20, 1))  # 0: down right now
             disk.append(round(sum(f.stat().st_blocks * 512 for f in binlog.rglob("*") if f.is_file()) / 2**20, 2))
         self.samples.append({"s": round(time.monotonic() - self.t0), "rss_mib": rss, "binlog_mib": disk,
                              "batches": len(list(self.sink.out.glob("*.json")))})

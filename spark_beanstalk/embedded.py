@@ -157,6 +157,13 @@ class ServerProcess:
             self.proc.wait(10)
         self._close_log()
 
+    def restart(self, timeout: float = 15.0) -> ServerProcess:
+        """SIGKILL it if it still runs, then start it again on the same port and arguments: clients
+        configured with its address must reach it again (so never moved to another free port)."""
+        self.kill()
+        self.port_chosen = False
+        return self.start(timeout)
+
     def _close_log(self) -> None:
         if self._stderr_file is not None:
             self._stderr_file.close()

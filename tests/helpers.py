@@ -214,7 +214,7 @@ class ReplicaSet:
                     and [a[k] for k in position] == [b[k] for k in position])
 
     def kill_leader(self) -> ServerProcess:
-        """SIGKILL the leader; returns it (restart with `.start()` after clearing `port_chosen`)."""
+        """SIGKILL the leader; returns it (start it again with `.restart()`)."""
         leader = self.leader()
         assert leader is not None, "no single leader to kill"
         leader.kill()

@@ -47,8 +47,7 @@ def restart(proc: ServerProcess, binlog: Path | None = None) -> None:
     if binlog is not None:
         binlog.mkdir(parents=True, exist_ok=True)
         proc.argv[proc.argv.index("-b") + 1] = str(binlog)
-    proc.port_chosen = False
-    proc.start()
+    proc.restart()
 
 
 def bodies(proc: ServerProcess, tag: str, n: int) -> list[bytes]:

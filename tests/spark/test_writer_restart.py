@@ -32,8 +32,7 @@ def _restart_when(proc, tube: str, at_least: int, done: threading.Event) -> None
     wait_until(lambda: _total_jobs(proc, tube) >= at_least, 120, interval=0.01, what=f"{at_least} rows put")
     proc.kill()
     time.sleep(3.0)                      # longer than the old fixed retries (2 x 1 s): needs the backoff
-    proc.port_chosen = False             # same port: the writer's `hosts` must reach it again
-    proc.start()
+    proc.restart()                       # same port: the writer's `hosts` must reach it again
     done.set()
 
 

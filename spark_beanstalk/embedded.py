@@ -29,7 +29,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05, *,
+def wait_until(predicate: Callable[[], T | None], timeout: float, what: str = "condition", interval: float = 0.05, *,
                retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """Poll `predicate` until it returns something truthy and return that; TimeoutError after `timeout` s.
 

@@ -40,7 +40,9 @@ from spark_beanstalk.ops_cluster import member_rows, members_table
 
 if TYPE_CHECKING:  # rich is imported lazily (start-up time of the CLI)
     from rich.console import Console, Group
+    from rich.live import Live
     from rich.table import Table
+    from rich.text import Text
 
 DEFAULT_HOST = "127.0.0.1:11300"
 HOST_ENV = "SPARK_BEANSTALK_HOST"
@@ -649,7 +651,7 @@ class TopSampler:
 
 def _top_json(sample: dict[str, Any]) -> dict[str, Any]:
     server = sample["server"]
-    keys = ("version", "uptime", "current-connections", "current-jobs-ready", "current-jobs-reserved",
+    keys = ("version", "pid", "uptime", "current-connections", "current-jobs-ready", "current-jobs-reserved",
             "current-jobs-delayed", "current-jobs-buried", "total-jobs")
     tubes = []
     for name in sorted(sample["tubes"]):
@@ -699,49 +701,105 @@ def _top_view(address: str, sample: dict[str, Any], interval: float) -> Group:
     return Group(head, _tubes_table("", sample["tubes"], sample["rates"], _TOP_COLUMNS))
 
 
+def _outage_view(message: str, lost_for: float, retry: float) -> Text:
+    from rich.text import Text
+
+    return Text(f"{message}; reconnecting ({lost_for:.0f}s of --retry {retry:g}s; Ctrl-C to quit)", style="bold red")
+
+
+class TopLoop:
+    """`top`'s refreshes: sample, show, wait; and, when the connection is lost (a restart, a failover),
+    reconnect (a cluster: to whichever member leads now) for up to ``retry`` seconds before giving up.
+
+    A view left running on an operator's screen should outlast the broker's restarts, as ``top`` and
+    ``watch`` outlast a busy machine: the outage is shown instead of the figures, and the rates start
+    again from the next two samples (a restarted broker's counters start again from 0)."""
+
+    def __init__(self, host: Target, tubes: tuple[str, ...], interval: float, retry: float, as_json: bool) -> None:
+        self.host, self.tubes, self.interval, self.retry, self.as_json = host, tubes, interval, retry, as_json
+        self.console = _console()
+        self.live: Live | None = None
+        self.samples = 0
+        self.next_at = time.monotonic()
+
+    def run(self, iterations: int) -> None:
+        if not self.as_json and self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(console=self.console, auto_refresh=False, screen=False, transient=False)
+            self.live.start()
+        connected_once, lost_since = False, None
+        try:
+            while True:
+                try:
+                    with connect(self.host) as conn:
+                        connected_once, lost_since = True, None
+                        if self._watch(conn, iterations):
+                            return
+                except Unreachable as exc:
+                    if not connected_once:   # not there at the start: say so at once, as every verb does
+                        raise
+                    lost_since = lost_since if lost_since is not None else time.monotonic()
+                    lost_for = time.monotonic() - lost_since
+                    if lost_for >= self.retry:
+                        raise Unreachable(f"{exc.message} (still after --retry {self.retry:g}s)") from None
+                    self._show_outage(exc.message, lost_for)
+                    time.sleep(min(1.0, self.interval, max(0.05, self.retry - lost_for)))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if self.live is not None:
+                self.live.stop()
+
+    def _watch(self, conn: Connection, iterations: int) -> bool:
+        """Refresh until done (True) or the connection is lost (False)."""
+        sampler = TopSampler(conn, self.tubes)
+        while True:
+            try:
+                sample = sampler.sample()
+            except ConnectionLost:
+                return False
+            self.samples += 1
+            if self.as_json:
+                click.echo(json.dumps({**_top_json(sample), "address": conn.address}, default=str))
+            elif self.live is not None:
+                self.live.update(_top_view(conn.address, sample, self.interval), refresh=True)
+            else:
+                self.console.print(_top_view(conn.address, sample, self.interval))
+            if iterations and self.samples >= iterations:
+                return True
+            self.next_at = max(self.next_at + self.interval, time.monotonic() - self.interval)
+            time.sleep(max(0.0, self.next_at - time.monotonic()))
+
+    def _show_outage(self, message: str, lost_for: float) -> None:
+        if self.as_json:
+            click.echo(json.dumps({"time": time.time(), "error": message, "lost_for": round(lost_for, 1)}))
+        elif self.live is not None:
+            self.live.update(_outage_view(message, lost_for, self.retry), refresh=True)
+        else:
+            self.console.print(_outage_view(message, lost_for, self.retry))
+
+
 @click.command("top", short_help="Live view of tubes, job counts and put/delete rates.")
 @click.option("--interval", "-i", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
               help="Seconds between refreshes.")
 @click.option("--iterations", "-n", default=0, show_default=True, type=click.IntRange(min=0),
               help="Stop after this many refreshes (0: run until Ctrl-C).")
 @click.option("--tube", "-t", "tubes", multiple=True, help="Show only this tube (repeatable).")
+@click.option("--retry", default=300.0, show_default=True, type=click.FloatRange(min=0),
+              help="When the connection is lost (a restart, a failover), keep reconnecting this many seconds "
+                   "before giving up with exit 2 (0: give up at once).")
 @common_options
-def top_command(interval: float, iterations: int, tubes: tuple[str, ...], host: Target, as_json: bool) -> None:
+def top_command(interval: float, iterations: int, tubes: tuple[str, ...], retry: float, host: Target,
+                as_json: bool) -> None:
     """A live, refreshing view of tubes: job counts by state and put/delete rates.
 
-    With --json it prints one JSON object per refresh (JSON lines); when stdout is not a
-    terminal each refresh is printed below the last instead of redrawn.
+    With --json it prints one JSON object per refresh (JSON lines; while the connection is down, one
+    {"error": ...} object per attempt); when stdout is not a terminal each refresh is printed below the
+    last instead of redrawn. A lost connection is retried (see --retry); with a cluster: host the view
+    follows the leader.
     """
-    with connect(host) as conn:
-        sampler = TopSampler(conn, tubes)
-        console = _console()
-        live = None
-        if not as_json and console.is_terminal:
-            from rich.live import Live
-
-            live = Live(console=console, auto_refresh=False, screen=False, transient=False)
-            live.start()
-        count = 0
-        next_at = time.monotonic()
-        try:
-            while True:
-                sample = sampler.sample()
-                count += 1
-                if as_json:
-                    click.echo(json.dumps(_top_json(sample), default=str))
-                elif live is not None:
-                    live.update(_top_view(conn.address, sample, interval), refresh=True)
-                else:
-                    console.print(_top_view(conn.address, sample, interval))
-                if iterations and count >= iterations:
-                    break
-                next_at += interval
-                time.sleep(max(0.0, next_at - time.monotonic()))
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if live is not None:
-                live.stop()
+    TopLoop(host, tubes, interval, retry, as_json).run(iterations)
 
 
 COMMANDS = (stats_command, tubes_command, peek_command, put_command, kick_command, delete_command,

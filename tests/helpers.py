@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +37,7 @@ __all__ = [
     "ReplicaSet",
     "ServerProcess",
     "TcpProxy",
+    "TopProcess",
     "assert_exactly_once",
     "beanstalkd_process",
     "drain_tube",
@@ -135,6 +138,46 @@ class TcpProxy:
         self._listener.close()
         self.cut()
 
+
+
+class TopProcess:
+    """`spark-beanstalk top --json` running as its own process, its refreshes collected as they come:
+    for tests of an operator's view that outlives restarts and failovers."""
+
+    def __init__(self, hosts: str, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "spark_beanstalk.cli", "top", "-i", "0.1", "--json",
+                                      "-H", hosts, *args], stdout=subprocess.PIPE, text=True)
+        self.frames: list[dict[str, Any]] = []
+        self._seen = 0
+        threading.Thread(target=self._read, name="top-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.frames.append(json.loads(line))
+
+    def wait_for(self, match: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30) -> dict[str, Any]:
+        """The first refresh after the last one returned that matches."""
+        def found() -> dict[str, Any] | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"top exited with {self.proc.returncode} waiting for {what}")
+            for i in range(self._seen, len(self.frames)):
+                if match(self.frames[i]):
+                    self._seen = i + 1
+                    return self.frames[i]
+            return None
+
+        return wait_until(found, timeout, interval=0.05, what=what)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def __enter__(self) -> TopProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 def drain_tube(proc: ServerProcess, tube: str) -> list[bytes]:

@@ -20,7 +20,7 @@ from spark_beanstalk.dashboard.app import create_app
 from spark_beanstalk.dashboard.command import tcp_endpoint
 from spark_beanstalk.dashboard.guard import Guard
 from spark_beanstalk.options import OptionError, SourceOptions, WriterOptions
-from tests.helpers import ReplicaSet, wait_until
+from tests.helpers import ReplicaSet, TopProcess, wait_until
 
 
 def test_cluster_spec_is_one_logical_broker():
@@ -106,3 +106,16 @@ def test_stats_put_and_dashboard_follow_the_leader(replica_set):
     _cli("put", "after", "-t", "ops", "-H", hosts)                       # taken by the new leader
     tube = json.loads(_cli("stats", "ops", "-H", hosts, "--json").output)
     assert tube["current-jobs-ready"] == 2                              # the first put survived the failover
+
+
+def test_top_follows_the_leader_through_a_failover(replica_set):
+    """`top -H cluster:...` left running shows the leader, then the new leader after the old one is killed."""
+    rs = replica_set
+    with TopProcess(rs.hosts) as top:
+        first = top.wait_for(lambda f: "server" in f, "top's first refresh")
+        old = rs.kill_leader()
+        assert first["address"] == old.address
+        after = top.wait_for(lambda f: "server" in f and f["address"] != old.address, "top on the new leader")
+        assert top.running()
+    new = rs.leader()
+    assert new is not None and after["address"] == new.address

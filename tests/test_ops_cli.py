@@ -19,7 +19,7 @@ from spark_beanstalk.cli import main
 from spark_beanstalk.client import Connection
 from spark_beanstalk.embedded import free_port
 from spark_beanstalk.ops import TopSampler
-from tests.helpers import wait_until
+from tests.helpers import TopProcess, wait_until
 
 VERBS_READ_ONLY = [
     ["stats"],
@@ -391,7 +391,7 @@ def test_bad_host_option():
 
 
 def test_lost_connection_is_a_clear_error(server):
-    """The server goes away mid-`top`: one line, exit 2."""
+    """The server goes away mid-`top` for longer than --retry: one line, exit 2."""
     import threading
 
     def kill_soon():
@@ -400,11 +400,29 @@ def test_lost_connection_is_a_clear_error(server):
     timer = threading.Timer(0.3, kill_soon)
     timer.start()
     try:
-        result = cli(server, "top", "-n", "0", "-i", "0.05", "--json")
+        result = cli(server, "top", "-n", "0", "-i", "0.05", "--json", "--retry", "0.5")
     finally:
         timer.cancel()
     assert result.exit_code == 2
-    assert "lost the connection" in result.stderr and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()
+    assert len(last) == 1 and "Traceback" not in result.stderr
+    assert "cannot connect" in last[0] and "still after --retry 0.5s" in last[0], last
+    errors = [json.loads(line) for line in result.stdout.splitlines() if '"error"' in line]
+    assert errors and all(e["lost_for"] <= 0.5 for e in errors)   # the outage was shown while it was retried
+
+
+def test_top_rides_through_a_broker_restart(server):
+    """`top` left running outlasts a restart of its broker: it shows the outage, then the new process."""
+    with TopProcess(server.address) as top:
+        first = top.wait_for(lambda f: "server" in f, "top's first refresh")
+        server.kill()
+        outage = top.wait_for(lambda f: "error" in f, "top showing the outage")
+        server.restart()
+        back = top.wait_for(lambda f: "server" in f, "top showing the restarted broker")
+        assert top.running()
+    assert "cannot connect" in outage["error"] or "lost the connection" in outage["error"], outage
+    assert back["server"]["pid"] != first["server"]["pid"] and back["address"] == server.address
+    assert all(r is None for r in back["rates"].values())  # no rate across the restart: the counters started again
 
 
 # --- TLS and token auth (our broker's extensions; beanstalkd has neither) ------------------------

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 import zlib
@@ -56,6 +57,7 @@ log = logging.getLogger("spark_beanstalk.writer")
 CONTROL_COLUMNS = ("tube", "priority", "delay", "ttr")
 DEFAULT_MAX_JOB_SIZE = 65535          # beanstalkd's default, used when `stats` does not say
 MARKER_PREFIX = "sbw."
+PARTITION_MARK = re.compile(r"\.(?P<batch>\d+)p(?P<partition>\d+)$")   # the end of a PartitionMark's tube
 MARKER_DELAY = 2**31 - 1              # markers are delayed jobs nobody will ever get
 MAX_BACKOFF = 5.0                     # seconds: longest pause between reconnect rounds
 CHUNK_ROWS = 8192                     # rows per chunk for the Row-based writers
@@ -341,6 +343,38 @@ class _DeadLetter:
 _DESYNC_REPLIES = frozenset({b"BAD_FORMAT", b"EXPECTED_CRLF", b"UNKNOWN_COMMAND"})
 
 
+class Outage:
+    """Every broker is down (a restart, a partition): how long to pause before trying them all again,
+    and when to give up. One rule for the rows and for the batch markers: the pause doubles from
+    `retryInterval` up to MAX_BACKOFF, and the wait ends after `retries` rounds once
+    `brokerRetrySeconds` have passed since the outage began (`rounds` counts every pause, for the
+    summary's `reconnect_rounds`)."""
+
+    def __init__(self, opts: WriterOptions) -> None:
+        self.opts = opts
+        self.since: float | None = None    # monotonic time every broker was first found down
+        self.rounds = 0
+
+    def over(self) -> None:
+        """A broker answered: the next outage starts its own clock."""
+        self.since = None
+
+    def elapsed(self) -> float:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        return now - self.since
+
+    def exhausted(self) -> bool:
+        return self.rounds >= self.opts.retries and self.elapsed() >= self.opts.broker_retry_seconds
+
+    def pause(self) -> None:
+        bound, elapsed = self.opts.broker_retry_seconds, self.elapsed()
+        step = self.opts.retry_interval * (2 ** min(self.rounds, 6))
+        self.rounds += 1
+        time.sleep(min(max(step, 0.05), MAX_BACKOFF, max(bound - elapsed, self.opts.retry_interval)))
+
+
 class _HostPool:
     """Connections of one partition to the brokers in `hosts`, with failover."""
 
@@ -352,7 +386,7 @@ class _HostPool:
         self.used: dict[int, str] = {}
         self.down: dict[int, str] = {}
         self.max_job_size: dict[int, int] = {}
-        self.rounds = 0
+        self.outage = Outage(opts)
 
     def connect(self, h: int) -> Connection | None:
         existing = self.conns.get(h)
@@ -425,7 +459,6 @@ class PartitionWriter:
         self.failures: list[RowFailure] = []      # refused at send time
         self._resync: list[Entry] = []            # rows to send again after a desynchronised reply stream
         self.resyncs = 0
-        self.outage_since: float | None = None    # monotonic time every broker was first found down
 
     # -- phase 1: validate and encode every row of the partition -------------------------
     def prepare(self, chunks: Iterable[Chunk], max_job_size: int) -> tuple[list[list[Entry]], list[RowFailure], int]:
@@ -512,25 +545,18 @@ class PartitionWriter:
         once `brokerRetrySeconds` have passed since the outage began, so a broker
         restart is ridden through and a broker that stays down fails the task.
         """
-        now = time.monotonic()
-        if self.outage_since is None:
-            self.outage_since = now
-        elapsed = now - self.outage_since
-        bound = self.opts.broker_retry_seconds
-        if self.pool.rounds >= self.opts.retries and elapsed >= bound:
+        outage = self.pool.outage
+        if outage.exhausted():
             raise BeanstalkUnavailableError(
                 f"beanstalk write failed (partition {self.partition}"
                 + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
-                + f"): no broker accepted the rows after {self.pool.rounds + 1} attempt(s) over {elapsed:.0f}s "
-                f"(brokerRetrySeconds={bound:g}): {self.pool.unavailable_message()}. "
+                + f"): no broker accepted the rows after {outage.rounds + 1} attempt(s) over {outage.elapsed():.0f}s "
+                f"(brokerRetrySeconds={self.opts.broker_retry_seconds:g}): {self.pool.unavailable_message()}. "
                 f"{self.put} row(s) of this partition were put, {unsent} were not.")
-        step = self.opts.retry_interval * (2 ** min(self.pool.rounds, 6))
-        pause = min(max(step, 0.05), MAX_BACKOFF, max(bound - elapsed, self.opts.retry_interval))
-        if self.pool.rounds == 0 or self.pool.rounds % 10 == 0:
+        if outage.rounds == 0 or outage.rounds % 10 == 0:
             log.warning("beanstalk writer (partition %s): every broker is down (%s); retrying for up to %gs",
-                        self.partition, self.pool.unavailable_message(), bound)
-        self.pool.rounds += 1
-        time.sleep(pause)
+                        self.partition, self.pool.unavailable_message(), self.opts.broker_retry_seconds)
+        outage.pause()
         self.pool.down.clear()
 
     def send(self, by_host: list[list[Entry]]) -> None:
@@ -544,7 +570,7 @@ class PartitionWriter:
             if conn is None:
                 self._reassign(entries, pending)
                 continue
-            self.outage_since = None
+            self.pool.outage.over()
             retry = self._send_to(h, conn, entries)
             if self._resync:
                 # the reply stream went out of step: the rows after the refused put are
@@ -665,6 +691,12 @@ class PartitionWriter:
                 raise BeanstalkWriteError(_describe_failures(bad, self.ctx, self.spec.key, "refused before sending"))
             if dry_run:
                 return self.summary(rows, 0, len(bad))
+            mark = PartitionMark.of(self.ctx)
+            digest = rows_digest(by_host) if mark is not None else ""
+            if mark is not None and mark.already_put(opts, digest):
+                log.warning("beanstalk writer: partition %s of batch %s was put by an earlier attempt of the batch "
+                            "(same rows); not putting it again", mark.partition, mark.batch_id)
+                return dict(self.summary(rows, 0, len(bad)), resumed=True)
             try:
                 if dead is not None and bad:
                     dead.add(bad)
@@ -678,6 +710,8 @@ class PartitionWriter:
             finally:
                 if dead is not None:
                     dead.close()
+            if mark is not None:
+                mark.record(opts, digest, self.put)
             return self.summary(rows, dead.count if dead else 0, 0, dead.file if dead else None)
         finally:
             self.pool.close()
@@ -685,8 +719,8 @@ class PartitionWriter:
     def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict[str, Any]:
         return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
                 "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
-                "reconnect_rounds": self.pool.rounds,
-                "hosts": self.per_host, "tubes": self.per_tube, "skipped": False,
+                "reconnect_rounds": self.pool.outage.rounds,
+                "hosts": self.per_host, "tubes": self.per_tube, "skipped": False, "resumed": False,
                 "dead_letter_files": [dead_file] if dead_file else []}
 
 
@@ -754,24 +788,113 @@ def _holds_legacy_marker(conn: Connection, namespace: str, batch_id: int) -> boo
                ("current-jobs-delayed", "current-jobs-ready", "current-jobs-buried")) > 0
 
 
+def _ask_brokers(opts: WriterOptions, question: Callable[[Connection], bool], what: str) -> str | None:
+    """The first broker for which `question` holds (its address), or None when every reachable broker says no.
+
+    While no broker can be asked (every one down: a restart), it asks again as the rows would be sent
+    again (`Outage`): answering "no" then would put completed rows a second time."""
+    outage = Outage(opts)
+    while True:
+        asked = False
+        for broker in opts.links():
+            try:
+                with _connect(opts, broker) as conn:
+                    if question(conn):
+                        return broker.name
+                asked = True
+            except (ConnectionLost, OSError):
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failed check only weakens replay detection
+                log.warning("%s: asking %s failed: %s", what, broker.name, exc)
+                asked = True
+        if asked or outage.exhausted():
+            return None
+        if outage.rounds == 0:
+            log.warning("%s: no broker can be asked; asking again for up to %gs", what, opts.broker_retry_seconds)
+        outage.pause()
+
+
 def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
     """The address of a broker on which this batch is recorded as completed, or None.
 
     Completed: at most ``markerRetain`` batches behind the last completed batch id.
     """
-    for broker in opts.links():
-        try:
-            with _connect(opts, broker) as conn:
-                last = _last_completed(conn, namespace)
-                if last is not None and last - opts.marker_retain < batch_id <= last:
-                    return broker.name
-                if _holds_legacy_marker(conn, namespace, batch_id):
-                    return broker.name
-        except (ConnectionLost, OSError):
-            continue
-        except Exception as exc:  # noqa: BLE001 - a failed check only weakens replay detection
-            log.warning("marker check on %s failed: %s", broker.name, exc)
-    return None
+    def completed(conn: Connection) -> bool:
+        last = _last_completed(conn, namespace)
+        if last is not None and last - opts.marker_retain < batch_id <= last:
+            return True
+        return _holds_legacy_marker(conn, namespace, batch_id)
+
+    return _ask_brokers(opts, completed, f"whether batch {batch_id} completed ({marker_tube(namespace)})")
+
+
+# Partition markers: a batch that failed or was stopped after some of its partitions were put
+# (a driver crash, query.stop() in the middle of a batch) is run again in full. Spark gives a
+# replayed micro-batch's partition the same rows (its (partition, batch) contract for sinks), so
+# each partition, once put, records a digest of its rows; a replay skips a partition only if it
+# holds the very same rows. The batch's marker then clears them.
+@dataclass(frozen=True)
+class PartitionMark:
+    """Where one partition of one batch records that it was put (the tube is emptied, hence gone, once the
+    batch completes)."""
+
+    namespace: str
+    batch_id: int
+    partition: int
+
+    @classmethod
+    def of(cls, ctx: Mapping[str, Any]) -> PartitionMark | None:
+        """The partition's mark, when its write has a batch id and replay detection is on."""
+        namespace, batch_id = ctx.get("namespace"), ctx.get("batch_id")
+        if namespace is None or batch_id is None:
+            return None
+        return cls(str(namespace), int(batch_id), int(ctx.get("partition", 0)))
+
+    @property
+    def tube(self) -> str:
+        """``sbw.<namespace>.<batch>p<partition>`` (PARTITION_MARK matches its end)."""
+        return f"{MARKER_PREFIX}{self.namespace}.{self.batch_id}p{self.partition}"
+
+    def already_put(self, opts: WriterOptions, digest: str) -> str | None:
+        """The broker recording this partition of this batch as put with the same rows, or None."""
+        def recorded(conn: Connection) -> bool:
+            if not conn.stats_tube(self.tube):
+                return False
+            conn.use(self.tube)
+            job = conn.peek_delayed()
+            try:
+                return job is not None and json.loads(job.body).get("digest") == digest
+            except (ValueError, AttributeError):
+                return False
+
+        return _ask_brokers(opts, recorded, f"whether partition {self.partition} of batch {self.batch_id} was put")
+
+    def record(self, opts: WriterOptions, digest: str, put: int) -> None:
+        """Record the partition as put on every reachable broker; best effort: without it a replay of the
+        batch puts the partition again (a duplicate, never a loss)."""
+        body = json.dumps({"batch_id": self.batch_id, "partition": self.partition, "digest": digest,
+                           "put": put}).encode()
+        for broker in opts.links():
+            try:
+                with _connect(opts, broker) as conn:
+                    conn.use(self.tube)
+                    conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+            except Exception as exc:  # noqa: BLE001 - logged: the partition itself is put
+                log.warning("could not record partition %s of batch %s as put on %s: %s", self.partition,
+                            self.batch_id, broker.name, exc)
+
+
+def rows_digest(by_host: Iterable[Iterable[Entry]]) -> str:
+    """An order-independent digest of a partition's encoded rows (tube and put command, whichever broker
+    each goes to): equal for the same rows in any order, different as soon as one row differs."""
+    count, a, b = 0, 0, 0
+    for entries in by_host:
+        for entry in entries:
+            tube = entry[1].encode()
+            count += 1
+            a += zlib.crc32(entry[2], zlib.crc32(tube))
+            b += zlib.adler32(entry[2], zlib.adler32(tube))
+    return f"{count}:{a & 0xFFFFFFFFFFFF:x}:{b & 0xFFFFFFFFFFFF:x}"
 
 
 def _delete_all(conn: Connection, tube: str, keep: int | None = None) -> int:
@@ -787,10 +910,15 @@ def _delete_all(conn: Connection, tube: str, keep: int | None = None) -> int:
     return deleted
 
 
-def _drop_legacy_markers(conn: Connection, namespace: str) -> None:
+def _drop_legacy_markers(conn: Connection, namespace: str, batch_id: int) -> None:
+    """Delete the old scheme's per-batch marker tubes, and the partition markers of batches up to `batch_id`."""
     prefix = marker_tube(namespace) + "."
     for tube in conn.list_tubes():
-        if tube.startswith(prefix) and tube[len(prefix):].isdigit():
+        if not tube.startswith(prefix):
+            continue
+        rest = tube[len(prefix):]
+        mark = PARTITION_MARK.fullmatch("." + rest)
+        if rest.isdigit() or (mark is not None and int(mark["batch"]) <= batch_id):
             _delete_all(conn, tube)
 
 
@@ -799,25 +927,38 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
 
     The new marker is put before the old one is deleted, so a crash in between leaves
     two (the older one is read first: at worst the batch is put again, never lost).
+    While no broker takes it (every one down: a restart) it is tried again as the rows
+    would be (`Outage`): a batch without its marker is put again if Spark replays it.
     Returns how many brokers hold the marker. Failing to write it only weakens replay
-    detection (the batch itself is complete), so this logs instead of raising.
+    detection (the batch itself is complete), so in the end this logs instead of raising.
     """
     tube = marker_tube(namespace)
     body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
-    written = 0
-    for broker in opts.links():
-        try:
-            with _connect(opts, broker) as conn:
-                conn.use(tube)
-                new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
-                written += 1
-                _delete_all(conn, tube, keep=new_id)
-                _drop_legacy_markers(conn, namespace)
-        except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
-            log.warning("could not write batch marker %s on %s: %s", tube, broker.name, exc)
+    outage = Outage(opts)
+    while True:
+        written, errors, refused = 0, [], False
+        for broker in opts.links():
+            try:
+                with _connect(opts, broker) as conn:
+                    conn.use(tube)
+                    new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+                    written += 1
+                    _delete_all(conn, tube, keep=new_id)
+                    _drop_legacy_markers(conn, namespace, batch_id)
+            except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
+                errors.append(f"{broker.name}: {exc}")
+                refused = refused or not isinstance(exc, (ConnectionLost, OSError))  # answered, but no
+                if written:
+                    log.warning("could not write batch marker %s on %s: %s", tube, broker.name, exc)
+        if written or refused or outage.exhausted():
+            break
+        if outage.rounds == 0:
+            log.warning("batch %s was put but no broker took its completion marker yet (%s); trying again for "
+                        "up to %gs", batch_id, "; ".join(errors), opts.broker_retry_seconds)
+        outage.pause()
     if not written:
-        log.warning("batch %s was put but no broker took its completion marker; a replay would put it again",
-                    batch_id)
+        log.warning("batch %s was put but no broker took its completion marker (%s); a replay would put it again",
+                    batch_id, "; ".join(errors))
     return written
 
 
@@ -836,6 +977,7 @@ class WriteSummary:
     failovers: int = 0
     reconnect_rounds: int = 0         # waits for a broker to come back (every broker was down)
     partitions: int = 0
+    partitions_resumed: int = 0       # found put by an earlier attempt of the batch (same rows): not put again
     skipped: bool = False
     skipped_reason: str | None = None
     hosts: dict[str, int] = field(default_factory=dict)
@@ -862,6 +1004,8 @@ class WriteSummary:
             s.dead_letter_files.extend(p.get("dead_letter_files") or [])
             if p.get("skipped"):
                 s.skipped = True
+            if p.get("resumed"):
+                s.partitions_resumed += 1
         return s
 
 
@@ -970,7 +1114,7 @@ class BeanstalkPut:
                 log.warning("beanstalk_put: no streaming query id is visible here (Spark Connect runs "
                             "foreachBatch in a server-side session); batch replay detection is off "
                             "unless you give the writerId option")
-        ctx = {"batch_id": batch_id}
+        ctx = {"batch_id": batch_id, "namespace": namespace}
         cached = False
         try:
             if opts.validate == "batch":
@@ -1099,7 +1243,8 @@ class _StreamWriterBase:
                 log.warning("beanstalk sink: batch %s already completed (marker on %s); partition %s not put again",
                             batch_id, holder, partition)
                 return BeanstalkCommitMessage({"partition": partition, "skipped": True}, query_id, batch_id)
-        summary = put_partition(make_chunks(), self.spec, self.opts, {"partition": partition, "batch_id": batch_id})
+        summary = put_partition(make_chunks(), self.spec, self.opts,
+                                {"partition": partition, "batch_id": batch_id, "namespace": namespace})
         return BeanstalkCommitMessage(summary, query_id, batch_id)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:

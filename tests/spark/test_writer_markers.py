@@ -77,3 +77,80 @@ def test_batch_replayed_after_driver_kill_is_skipped(spark, broker, tmp_path):
     assert second["2"]["put"] == 100 and "0" not in second
     assert sorted(b.decode() for b in drain_tube(server, "rk")) == sorted(expected)   # each row once
     assert len(_marker_tubes(server)) == 1
+
+
+def test_partition_markers_skip_only_the_same_rows_and_go_with_the_batch_marker(server):
+    """A partition put by an earlier attempt of the batch is skipped only if its rows are the same (in any order);
+    the batch's marker clears the partition markers."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from spark_beanstalk.writer import ColumnSpec, PartitionMark, _arrow_chunks, put_partition
+
+    opts = WriterOptions.parse({"hosts": server.address, "tube": "pm"})
+    spec = ColumnSpec.from_schema(StructType([StructField("body", StringType())]), opts)
+    ns = marker_namespace("pm-query", opts, explicit=False)
+
+    def put(bodies: list[str], partition: int = 0) -> dict:
+        batch = pa.RecordBatch.from_pydict({"body": bodies}, schema=pa.schema([("body", pa.string())]))
+        return put_partition(_arrow_chunks([batch], spec), spec, opts,
+                             {"partition": partition, "batch_id": 7, "namespace": ns})
+
+    first = put(["a", "b", "c"])
+    assert first["put"] == 3 and not first["resumed"]
+    again = put(["c", "a", "b"])                      # the replay's partition 0: the same rows, another order
+    assert again["put"] == 0 and again["resumed"]
+    other = put(["a", "b", "d"])                      # not the same rows (a non-deterministic plan): put them
+    assert other["put"] == 3 and not other["resumed"]
+    assert put(["a", "b", "c"], partition=1)["put"] == 3   # partition 1 has no mark yet
+    assert sorted(drain_tube(server, "pm")) == sorted(bytes([c]) for c in b"abcabdabc")
+    assert PartitionMark(ns, 7, 0).tube in _marker_tubes(server)
+    write_marker(opts, ns, 7, {"put": 9})
+    assert _marker_tubes(server) == [marker_tube(ns)]   # the batch marker alone
+
+
+@pytest.mark.timeout(300)
+def test_query_stopped_mid_batch_and_restarted_puts_the_batch_once(spark, broker, tmp_path):
+    """query.stop() during foreachBatch: Spark gives up on the call, the Python function carries on and its
+    tasks put the rows, but the batch fails and is replayed by the next start. Its partitions are found put
+    (partition markers) and not put again: before them, the whole batch was there twice."""
+    import threading
+    import time
+
+    from spark_beanstalk.writer import beanstalk_put
+    from tests.helpers import wait_until
+
+    put = beanstalk_put.options(hosts=broker.address, tube="mid")
+    ckpt = tmp_path / "ck"
+    stopping, first = threading.Event(), [True]
+
+    def write(df, batch_id: int) -> None:
+        if batch_id == 2 and first[0]:
+            first[0] = False
+            stopping.set()
+            time.sleep(3)                     # query.stop() happens now; this call goes on after it
+        put(df, batch_id)
+
+    def start():
+        return (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", 100).load()
+                .selectExpr("cast(value as string) as body").writeStream.foreachBatch(write)
+                .option("checkpointLocation", str(ckpt)).trigger(processingTime="200 milliseconds").start())
+
+    def committed() -> int:
+        ids = [int(p.name) for p in (ckpt / "commits").glob("*") if p.name.isdigit()]
+        return max(ids, default=-1)
+
+    query = start()
+    assert stopping.wait(120), "batch 2 never started"
+    query.stop()
+    query = start()
+    try:
+        wait_until(lambda: committed() >= 4, 120, what="batches 2-4 committed after the restart")
+    finally:
+        query.stop()
+    end = (committed() + 1) * 100
+    counts: dict[int, int] = {}
+    for body in drain_tube(broker, "mid"):
+        counts[int(body)] = counts.get(int(body), 0) + 1
+    assert [v for v in range(end) if v not in counts] == []
+    assert {v: n for v, n in counts.items() if n > 1} == {}, "rows put twice"

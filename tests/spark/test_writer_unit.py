@@ -219,6 +219,47 @@ def test_batch_markers(server):
     assert marker_namespace("a b", o, explicit=True) != "a b"       # unusable chars -> digest
 
 
+def _restart_later(proc, seconds: float) -> threading.Thread:
+    """SIGKILL the broker now and start it again (same port, same binlog) after `seconds`."""
+    proc.kill()
+
+    def restart() -> None:
+        time.sleep(seconds)
+        proc.restart()
+
+    thread = threading.Thread(target=restart, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("kind", ["ours", "beanstalkd"])
+def test_batch_markers_wait_for_a_restarting_broker(server_factory, tmp_path, kind):
+    """With the broker down (a restart) the completion check and the marker wait for it, as the rows do:
+    "not completed" would put a completed batch again, and a marker not written lets a replay do the same."""
+    proc = server_factory(kind, extra_args=["-b", str(tmp_path)])
+    o = WriterOptions.parse({"hosts": proc.address, "retryInterval": "0.1", "brokerRetrySeconds": "30"})
+    ns = marker_namespace("9c1e-query", o, explicit=False)
+    assert write_marker(o, ns, 4, {"put": 3}) == 1
+
+    restarted = _restart_later(proc, 1.5)
+    assert marker_exists(o, ns, 4) == proc.address          # asked again until the broker was back
+    restarted.join(30)
+
+    restarted = _restart_later(proc, 1.5)
+    assert write_marker(o, ns, 5, {"put": 3}) == 1          # written once the broker was back
+    restarted.join(30)
+    assert marker_exists(o, ns, 5) == proc.address
+    with Connection(proc.host, proc.port) as c:
+        assert c.stats_tube(marker_tube(ns))["current-jobs-delayed"] == 1
+
+    proc.kill()                                              # down for good: both give up after the bound
+    short = WriterOptions.parse({"hosts": proc.address, "retries": "1", "retryInterval": "0.05",
+                                 "brokerRetrySeconds": "0.3"})
+    started = time.monotonic()
+    assert marker_exists(short, ns, 5) is None and write_marker(short, ns, 6, {"put": 1}) == 0
+    assert time.monotonic() - started < 10
+
+
 class _RefusingServer:
     """Answers like beanstalkd to a put it refuses with BAD_FORMAT: the body line then reads as a
     command (UNKNOWN_COMMAND), so the replies run one ahead of the client's commands."""

@@ -22,6 +22,7 @@ from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
 from tests.helpers import TcpProxy, etcd_process, member_process, wait_until
 
 FAILOVER_LIMIT = 3.0
+JOBS = 400_000  # enough for a snapshot that takes the leader's loop longer than its 1 s lease
 
 
 def _stats(proc) -> dict | None:
@@ -361,3 +362,30 @@ def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd, 
     assert done.returncode == 0, done.stderr
     new = wait_until(lambda: _one_leader(members), 10, what="a leader after demote")
     assert new is not target
+
+
+def test_a_leader_busy_snapshotting_a_new_replica_keeps_its_lease(tmp_path, etcd, started):
+    """A member that joins empty gets a snapshot of every job, built in one step on the leader's event loop.
+    With many jobs that step outlasts the lease TTL (1 s here): the lease is renewed from a thread of its own,
+    so the leader keeps it. Before, it was fenced, and a replica set under load changed leaders every second
+    (bench/soak.py --side write --server cluster)."""
+    from spark_beanstalk.client import encode_put
+
+    members = _start_cluster(tmp_path, started, [etcd.address, etcd.address], sync=0)
+    leader = members[0]
+    epoch = _stats(leader)["replication-epoch"]
+    body = b"x" * 100
+    with Connection(leader.host, leader.port, timeout=60) as conn:
+        for _ in range(JOBS // 10_000):
+            for reply in conn.pipeline([encode_put(body, 100, 0, 60)] * 10_000):
+                assert reply.status == b"INSERTED", reply
+    wait_until(lambda: _caught_up(leader, members[1]), 60, what="the replica caught up")
+    joining = member_process(str(tmp_path / "m9"), etcd=f"http://{etcd.address}", name="m9", sync_replicas=0,
+                             lease_ttl=1, stderr_path=str(tmp_path / "m9.log"))
+    started.append(joining.start())
+    wait_until(lambda: _caught_up(leader, joining), 60, what="the new member caught up by snapshot")
+    after = _stats(leader)
+    assert after["replication-role"] == "leader" and after["replication-epoch"] == epoch, after
+    assert after["replication-joined-by-snapshot"] >= 1
+    with open(leader.stderr_path, encoding="utf-8") as log:
+        assert "fenced" not in log.read()

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,6 @@ class EtcdLeadership:
         assert cfg.etcd is not None
         self.member = member
         self.etcd = EtcdClient(cfg.etcd, timeout=max(0.5, cfg.lease_ttl / 2))
-        self.keepalive_etcd = EtcdClient(cfg.etcd, timeout=max(0.5, cfg.lease_ttl / 2))
         base = f"/{cfg.cluster}/"
         self.k_leader = base + "leader"
         self.k_members = base + "members/"
@@ -59,9 +59,12 @@ class EtcdLeadership:
         self.me = json.dumps({"name": cfg.name, "client": cfg.client_address,
                               "repl": f"{repl[0]}:{repl[1]}" if repl else ""}).encode()
         self._last_error = ""
+        self._member_loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> None:
-        keepalive = asyncio.get_running_loop().create_task(self._keepalive())
+        self._member_loop = asyncio.get_running_loop()
+        keeper = LeaseKeeper(self)
+        keeper.start()
         try:
             while True:
                 try:
@@ -77,9 +80,8 @@ class EtcdLeadership:
                     log.exception("leadership step failed")
                 await asyncio.sleep(POLL)
         finally:
-            keepalive.cancel()
+            keeper.stop()
             await self.etcd.close()
-            await self.keepalive_etcd.close()
 
     # -- the lease -------------------------------------------------------------------------
     async def _register(self) -> None:
@@ -89,28 +91,25 @@ class EtcdLeadership:
         self.member.lease_until = sent + ttl - self.margin
         await self.etcd.put(self.k_members + self.member.config.name, self.me, lease)
 
-    async def _keepalive(self) -> None:
-        interval = self.member.config.lease_ttl / 4
-        while True:
-            await asyncio.sleep(interval)
-            lease = self.lease
-            if not lease:
-                continue
-            sent = time.monotonic()
-            try:
-                ttl = await self.keepalive_etcd.keepalive(lease)
-            except EtcdError:
-                continue  # etcd unreachable: the gate fences at lease_until by itself
-            except Exception:
-                log.exception("lease keep-alive failed")
-                continue
-            if lease != self.lease:
-                continue
-            if ttl <= 0:
-                self.lease = 0
-                self.member.step_down("lease lost")
-            else:
-                self.member.lease_until = sent + ttl - self.margin
+    def renewed(self, lease: int, sent: float, ttl: int) -> None:
+        """A keep-alive sent at `sent` came back (on the keeper's thread): extend the lease, or, if etcd
+        no longer knows it, step down (on the member's loop)."""
+        if lease != self.lease:
+            return
+        if ttl > 0:
+            self.member.lease_until = sent + ttl - self.margin
+        else:
+            self._loop_call(self._lease_lost, lease)
+
+    def _lease_lost(self, lease: int) -> None:
+        if lease == self.lease:
+            self.lease = 0
+            self.member.step_down("lease lost")
+
+    def _loop_call(self, func: Any, *args: Any) -> None:
+        loop = self._member_loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(func, *args)
 
     async def _drop_lease(self) -> None:
         lease, self.lease = self.lease, 0
@@ -201,6 +200,51 @@ class EtcdLeadership:
             if await self.etcd.get(self.k_leader) is not None:
                 return
             await asyncio.sleep(POLL / 2)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews the member's lease from a thread of its own, with its own event loop and etcd client.
+
+    Why not a task on the member's loop: a leader whose loop is busy for longer than the lease
+    TTL (sending a snapshot of many jobs to a replica that rejoins) lost its lease, was fenced,
+    and the next leader, snapshotting the same replicas, lost its own: the replica set changed
+    leaders every second and acknowledged almost nothing (bench/soak.py --side write --server
+    cluster). A busy loop is not a partition; a member cut off from etcd still loses its lease
+    and fences itself (the gate checks ``lease_until``), as before.
+    """
+
+    def __init__(self, leadership: EtcdLeadership) -> None:
+        super().__init__(name="etcd-lease-keeper", daemon=True)
+        self.leadership = leadership
+        cfg = leadership.member.config
+        assert cfg.etcd is not None
+        self.endpoint, self.ttl = cfg.etcd, cfg.lease_ttl
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        asyncio.run(self._renew())
+
+    async def _renew(self) -> None:
+        etcd = EtcdClient(self.endpoint, timeout=max(0.5, self.ttl / 2))
+        try:
+            while not self._stop.wait(self.ttl / 4):
+                lease = self.leadership.lease
+                if not lease:
+                    continue
+                sent = time.monotonic()
+                try:
+                    ttl = await etcd.keepalive(lease)
+                except EtcdError:
+                    continue  # etcd unreachable: the gate fences at lease_until by itself
+                except Exception:
+                    log.exception("lease keep-alive failed")
+                    continue
+                self.leadership.renewed(lease, sent, ttl)
+        finally:
+            await etcd.close()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _json(kv: KeyValue) -> dict[str, Any]:

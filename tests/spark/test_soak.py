@@ -1,7 +1,9 @@
-"""The chaos soak (bench/soak.py) for 24 s: a streaming query reading through a broker that is
+"""The chaos soak (bench/soak.py), short: a streaming query reading through a broker that is
 killed, cut off and partitioned, and restarted from its checkpoint, all at seeded random times,
-while a producer keeps putting. Each fault has its own test in test_source_faults.py; this one
-runs them one after another without a pause, as a long soak does, and keeps the tool working.
+while a producer keeps putting (24 s); and a streaming query writing through the same faults
+with each of the two stream writers (18 s each). Each fault has its own test
+(test_source_faults.py, test_writer_restart.py, test_writer_markers.py); these run them one after
+another without a pause, as a long soak does, and keep the tool working.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 SEED = 166  # its schedule in 24 s: cut, kill, partition, requery
+WRITE_SEED = 9  # in 18 s: kill, requery, cut
 
 
 def _soak_module():
@@ -34,5 +37,21 @@ def test_soak_every_fault_in_a_row_loses_and_duplicates_nothing(spark, tmp_path)
     assert {"cut", "kill"} <= set(result["actions"]) and sum(result["actions"].values()) >= 3, result["actions"]
     assert result["drained"], "acknowledged jobs still missing from the sink, or left in the tube"
     assert result["lost_count"] == 0 and result["duplicated_count"] == 0 and result["unexpected_count"] == 0, result
+    assert result["failures"] == []
+    assert status == 0
+
+
+@pytest.mark.parametrize("sink", ["foreachbatch", "format"])
+def test_soak_writers_through_faults_lose_nothing(spark, tmp_path, sink):
+    out = tmp_path / "soak.json"
+    status = _soak_module().main(["--side", "write", "--sink", sink, "--minutes", "0.3", "--seed", str(WRITE_SEED),
+                                  "--rows-per-batch", "1000", "--drain-timeout", "120", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert {"kill", "requery"} <= set(result["actions"]), result["actions"]
+    assert result["settled"], "the query did not commit two batches after the faults"
+    assert result["rows_committed"] >= 10_000, result
+    assert result["lost_count"] == 0 and result["unexpected_count"] == 0, result
+    assert result["duplicated_count"] <= result["dup_bound"], result
+    assert result["markers"] == 1, "one completion marker per writer, whatever the batches and faults"
     assert result["failures"] == []
     assert status == 0

@@ -242,12 +242,16 @@ def test_batch_markers_wait_for_a_restarting_broker(server_factory, tmp_path, ki
     assert write_marker(o, ns, 4, {"put": 3}) == 1
 
     restarted = _restart_later(proc, 1.5)
-    assert marker_exists(o, ns, 4) == proc.address          # asked again until the broker was back
-    restarted.join(30)
+    try:
+        assert marker_exists(o, ns, 4) == proc.address      # asked again until the broker was back
+    finally:
+        restarted.join(30)                                  # (never a restart after the test's teardown)
 
     restarted = _restart_later(proc, 1.5)
-    assert write_marker(o, ns, 5, {"put": 3}) == 1          # written once the broker was back
-    restarted.join(30)
+    try:
+        assert write_marker(o, ns, 5, {"put": 3}) == 1      # written once the broker was back
+    finally:
+        restarted.join(30)
     assert marker_exists(o, ns, 5) == proc.address
     with Connection(proc.host, proc.port) as c:
         assert c.stats_tube(marker_tube(ns))["current-jobs-delayed"] == 1

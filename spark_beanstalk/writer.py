@@ -691,7 +691,8 @@ class PartitionWriter:
                 raise BeanstalkWriteError(_describe_failures(bad, self.ctx, self.spec.key, "refused before sending"))
             if dry_run:
                 return self.summary(rows, 0, len(bad))
-            mark = PartitionMark.of(self.ctx)
+            # an empty partition has nothing to protect: no check, no mark (a batch may have 200 of them)
+            mark = PartitionMark.of(self.ctx) if any(by_host) else None
             digest = rows_digest(by_host) if mark is not None else ""
             if mark is not None and mark.already_put(opts, digest):
                 log.warning("beanstalk writer: partition %s of batch %s was put by an earlier attempt of the batch "

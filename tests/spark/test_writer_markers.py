@@ -154,3 +154,16 @@ def test_query_stopped_mid_batch_and_restarted_puts_the_batch_once(spark, broker
         counts[int(body)] = counts.get(int(body), 0) + 1
     assert [v for v in range(end) if v not in counts] == []
     assert {v: n for v, n in counts.items() if n > 1} == {}, "rows put twice"
+
+
+def test_an_empty_partition_leaves_no_partition_marker(server):
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from spark_beanstalk.writer import ColumnSpec, _arrow_chunks, put_partition
+
+    opts = WriterOptions.parse({"hosts": server.address, "tube": "pe"})
+    spec = ColumnSpec.from_schema(StructType([StructField("body", StringType())]), opts)
+    empty = pa.RecordBatch.from_pydict({"body": []}, schema=pa.schema([("body", pa.string())]))
+    done = put_partition(_arrow_chunks([empty], spec), spec, opts, {"partition": 3, "batch_id": 1, "namespace": "e"})
+    assert done["put"] == 0 and _marker_tubes(server) == []

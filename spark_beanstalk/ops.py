@@ -736,6 +736,7 @@ class TopLoop:
                         connected_once, lost_since = True, None
                         if self._watch(conn, iterations):
                             return
+                    time.sleep(min(1.0, self.interval))   # lost: a server that accepts then drops is not spun on
                 except Unreachable as exc:
                     if not connected_once:   # not there at the start: say so at once, as every verb does
                         raise

@@ -219,7 +219,7 @@ class LeaseKeeper(threading.Thread):
         cfg = leadership.member.config
         assert cfg.etcd is not None
         self.endpoint, self.ttl = cfg.etcd, cfg.lease_ttl
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         asyncio.run(self._renew())
@@ -227,7 +227,7 @@ class LeaseKeeper(threading.Thread):
     async def _renew(self) -> None:
         etcd = EtcdClient(self.endpoint, timeout=max(0.5, self.ttl / 2))
         try:
-            while not self._stop.wait(self.ttl / 4):
+            while not self._stopping.wait(self.ttl / 4):
                 lease = self.leadership.lease
                 if not lease:
                     continue
@@ -244,7 +244,7 @@ class LeaseKeeper(threading.Thread):
             await etcd.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
 
 def _json(kv: KeyValue) -> dict[str, Any]:

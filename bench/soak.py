@@ -92,6 +92,7 @@ from tests.helpers import (  # noqa: E402
     ReplicaSet,
     TcpProxy,
     drain_tube,
+    last_committed,
     left_in,
     start_query,
     tube_jobs,
@@ -372,9 +373,7 @@ class WriteSide:
 
     def committed(self) -> int:
         """The last batch id the checkpoint records as committed (-1: none yet)."""
-        commits = self.ckpt / "commits"
-        ids = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
-        return max(ids, default=-1)
+        return last_committed(self.ckpt)
 
     def end_offset(self, batch_id: int) -> int:
         """The rate-micro-batch offset a batch ended at: rows 0 .. offset-1 are in batches 0 .. batch_id."""

@@ -44,6 +44,7 @@ __all__ = [
     "broker_process",
     "etcd_process",
     "free_port",
+    "last_committed",
     "left_in",
     "member_process",
     "put_bodies",
@@ -282,6 +283,13 @@ def put_bodies(proc: ServerProcess, tube: str, bodies: list[bytes]) -> list[int]
             assert reply.status == b"INSERTED", reply
             ids.append(int(reply.args[0]))
     return ids
+
+
+def last_committed(ckpt: Path) -> int:
+    """The last batch id a streaming checkpoint records as committed (-1: none yet)."""
+    commits = ckpt / "commits"
+    ids = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
+    return max(ids, default=-1)
 
 
 def left_in(proc: ServerProcess, tube: str) -> int:

@@ -79,22 +79,28 @@ def test_batch_replayed_after_driver_kill_is_skipped(spark, broker, tmp_path):
     assert len(_marker_tubes(server)) == 1
 
 
-def test_partition_markers_skip_only_the_same_rows_and_go_with_the_batch_marker(server):
-    """A partition put by an earlier attempt of the batch is skipped only if its rows are the same (in any order);
-    the batch's marker clears the partition markers."""
+def _put_partition(opts: WriterOptions, bodies: list[str], ctx: dict) -> dict:
+    """Put `bodies` as one partition of a streaming write (`ctx`: partition, batch_id, namespace); its summary."""
     import pyarrow as pa
     from pyspark.sql.types import StringType, StructField, StructType
 
-    from spark_beanstalk.writer import ColumnSpec, PartitionMark, _arrow_chunks, put_partition
+    from spark_beanstalk.writer import ColumnSpec, _arrow_chunks, put_partition
+
+    spec = ColumnSpec.from_schema(StructType([StructField("body", StringType())]), opts)
+    batch = pa.RecordBatch.from_pydict({"body": bodies}, schema=pa.schema([("body", pa.string())]))
+    return put_partition(_arrow_chunks([batch], spec), spec, opts, ctx)
+
+
+def test_partition_markers_skip_only_the_same_rows_and_go_with_the_batch_marker(server):
+    """A partition put by an earlier attempt of the batch is skipped only if its rows are the same (in any order);
+    the batch's marker clears the partition markers."""
+    from spark_beanstalk.writer import PartitionMark
 
     opts = WriterOptions.parse({"hosts": server.address, "tube": "pm"})
-    spec = ColumnSpec.from_schema(StructType([StructField("body", StringType())]), opts)
     ns = marker_namespace("pm-query", opts, explicit=False)
 
     def put(bodies: list[str], partition: int = 0) -> dict:
-        batch = pa.RecordBatch.from_pydict({"body": bodies}, schema=pa.schema([("body", pa.string())]))
-        return put_partition(_arrow_chunks([batch], spec), spec, opts,
-                             {"partition": partition, "batch_id": 7, "namespace": ns})
+        return _put_partition(opts, bodies, {"partition": partition, "batch_id": 7, "namespace": ns})
 
     first = put(["a", "b", "c"])
     assert first["put"] == 3 and not first["resumed"]
@@ -118,7 +124,7 @@ def test_query_stopped_mid_batch_and_restarted_puts_the_batch_once(spark, broker
     import time
 
     from spark_beanstalk.writer import beanstalk_put
-    from tests.helpers import wait_until
+    from tests.helpers import last_committed, wait_until
 
     put = beanstalk_put.options(hosts=broker.address, tube="mid")
     ckpt = tmp_path / "ck"
@@ -136,19 +142,15 @@ def test_query_stopped_mid_batch_and_restarted_puts_the_batch_once(spark, broker
                 .selectExpr("cast(value as string) as body").writeStream.foreachBatch(write)
                 .option("checkpointLocation", str(ckpt)).trigger(processingTime="200 milliseconds").start())
 
-    def committed() -> int:
-        ids = [int(p.name) for p in (ckpt / "commits").glob("*") if p.name.isdigit()]
-        return max(ids, default=-1)
-
     query = start()
     assert stopping.wait(120), "batch 2 never started"
     query.stop()
     query = start()
     try:
-        wait_until(lambda: committed() >= 4, 120, what="batches 2-4 committed after the restart")
+        wait_until(lambda: last_committed(ckpt) >= 4, 120, what="batches 2-4 committed after the restart")
     finally:
         query.stop()
-    end = (committed() + 1) * 100
+    end = (last_committed(ckpt) + 1) * 100
     counts: dict[int, int] = {}
     for body in drain_tube(broker, "mid"):
         counts[int(body)] = counts.get(int(body), 0) + 1
@@ -157,13 +159,6 @@ def test_query_stopped_mid_batch_and_restarted_puts_the_batch_once(spark, broker
 
 
 def test_an_empty_partition_leaves_no_partition_marker(server):
-    import pyarrow as pa
-    from pyspark.sql.types import StringType, StructField, StructType
-
-    from spark_beanstalk.writer import ColumnSpec, _arrow_chunks, put_partition
-
     opts = WriterOptions.parse({"hosts": server.address, "tube": "pe"})
-    spec = ColumnSpec.from_schema(StructType([StructField("body", StringType())]), opts)
-    empty = pa.RecordBatch.from_pydict({"body": []}, schema=pa.schema([("body", pa.string())]))
-    done = put_partition(_arrow_chunks([empty], spec), spec, opts, {"partition": 3, "batch_id": 1, "namespace": "e"})
+    done = _put_partition(opts, [], {"partition": 3, "batch_id": 1, "namespace": "e"})
     assert done["put"] == 0 and _marker_tubes(server) == []

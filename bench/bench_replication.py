@@ -5,12 +5,15 @@
    per repetition: a single broker with ``-b -f 0`` and ``-b -f 50``; a leader with one
    replica, asynchronous (``-f 50``); the same with ``--sync-replicas 1`` (``-f 50`` and
    ``-f 0``). Medians over --reps.
-2. failover: etcd + 3 members (``--sync-replicas 1``, lease TTL --ttl s); the leader is
-   SIGKILLed --rounds times; each round measures kill -> first put acknowledged by a new
-   leader (probing every member), then restarts the killed member as a replica.
+2. failover: etcd + 3 members (``--sync-replicas 1``, lease TTL --ttl s), holding --jobs ready
+   jobs; the leader is SIGKILLed --rounds times; each round measures kill -> first put
+   acknowledged by a new leader (probing every member; with --sync-replicas 1 that put waits
+   for a replica to catch up with the new leader), kill -> the surviving replica in step with
+   it, and how the replicas joined (backlog or snapshot); then it restarts the killed member as
+   a replica and waits until it has caught up.
 
     python bench/bench_replication.py                       # ~2 min on 2 cores
-    python bench/bench_replication.py --only failover --rounds 10
+    python bench/bench_replication.py --only failover --rounds 10 --jobs 150000
 
 Prints a markdown summary and writes bench/out/replication.json.
 """
@@ -89,6 +92,30 @@ def put_throughput(opts) -> list[dict]:
     return rows
 
 
+def _stats(proc: ServerProcess) -> dict:
+    try:
+        with Connection(proc.host, proc.port, timeout=10, connect_timeout=0.5) as conn:
+            return conn.stats()
+    except (BeanstalkError, OSError):
+        return {}
+
+
+def _in_step(leader: ServerProcess, replica: ServerProcess) -> bool:
+    a, b = _stats(leader), _stats(replica)
+    return bool(a and b and b.get("replication-role") == "replica"
+                and (a["replication-epoch"], a["replication-seq"]) == (b["replication-epoch"], b["replication-seq"]))
+
+
+def _load(leader: ServerProcess, jobs: int) -> None:
+    from spark_beanstalk.client import encode_put
+
+    with Connection(leader.host, leader.port, timeout=120) as conn:
+        for start in range(0, jobs, 10_000):
+            for reply in conn.pipeline([encode_put(b"x" * 100, 100, 0, 60)] * min(10_000, jobs - start)):
+                if reply.status != b"INSERTED":
+                    raise RuntimeError(f"loading jobs: {reply}")
+
+
 def failover(opts) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench-failover-")
     etcd = etcd_process(f"{tmp}/etcd").start()
@@ -96,19 +123,30 @@ def failover(opts) -> dict:
     members = [member_process(f"{tmp}/m{n}", etcd=f"http://{etcd.address}", name=f"m{n}", sync_replicas=1,
                               lease_ttl=opts.ttl, stderr_path=str(OUT / "logs" / f"failover-m{n}.log"),
                               extra_args=["-V"]) for n in range(3)]
-    times = []
+    times, in_step, joins = [], [], []
     try:
         for m in members:
             m.start(timeout=60)
+        leader = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
+        if opts.jobs:
+            _load(leader, opts.jobs)
         for _ in range(opts.rounds):
             leader = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
             for m in members:
                 if m is not leader:
-                    wait_until(lambda m=m: _role(m) == "replica", 30, what="replicas")
+                    wait_until(lambda m=m, leader=leader: _in_step(leader, m), 120, what="replicas in step")
             t_kill = time.monotonic()
             leader.kill()
             times.append(_first_put(members, t_kill))
-            print(f"  failover {len(times)}: {times[-1]:.2f} s", flush=True)
+            new = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
+            other = next(m for m in members if m is not new and m is not leader)
+            wait_until(lambda new=new, other=other: _in_step(new, other), 120, what="the replica in step")
+            in_step.append(time.monotonic() - t_kill)
+            stats = _stats(new)
+            joins.append({"backlog": stats.get("replication-joined-by-backlog"),
+                          "snapshot": stats.get("replication-joined-by-snapshot")})
+            print(f"  failover {len(times)}: first put {times[-1]:.2f} s, replica in step {in_step[-1]:.2f} s, "
+                  f"joined by {joins[-1]}", flush=True)
             leader.start(timeout=60)
     finally:
         for m in members:
@@ -116,7 +154,8 @@ def failover(opts) -> dict:
         etcd.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"seconds": times, "median": statistics.median(times), "max": max(times), "min": min(times),
-            "lease_ttl": opts.ttl}
+            "in_step_seconds": in_step, "in_step_median": statistics.median(in_step), "joins": joins,
+            "jobs": opts.jobs, "lease_ttl": opts.ttl}
 
 
 def _first_put(members: list[ServerProcess], t_kill: float) -> float:
@@ -144,10 +183,14 @@ def markdown(res: dict) -> str:
     if "failover" in res:
         f = res["failover"]
         lines.append("")
-        lines.append(f"failover (kill -> first acknowledged put, lease TTL {f['lease_ttl']} s, "
+        lines.append(f"failover with {f['jobs']:,} jobs (kill -> first acknowledged put, lease TTL {f['lease_ttl']} s, "
                      f"{len(f['seconds'])} rounds): "
                      f"min {f['min']:.2f} s, median {f['median']:.2f} s, max {f['max']:.2f} s; "
                      + ", ".join(f"{t:.2f}" for t in f["seconds"]))
+        lines.append(f"kill -> the other replica in step with the new leader: median {f['in_step_median']:.2f} s; "
+                     + ", ".join(f"{t:.2f}" for t in f["in_step_seconds"]))
+        lines.append("how the replicas joined each new leader: "
+                     + ", ".join(f"{j['backlog']} backlog / {j['snapshot']} snapshot" for j in f["joins"]))
     return "\n".join(lines)
 
 
@@ -159,6 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="1x1,50x1")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--ttl", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=0, help="ready jobs in the queue during the failovers")
     p.add_argument("--out", default=str(OUT / "replication.json"))
     opts = p.parse_args(argv)
     only = set(opts.only.split(","))

@@ -389,3 +389,38 @@ def test_a_leader_busy_snapshotting_a_new_replica_keeps_its_lease(tmp_path, etcd
     assert after["replication-joined-by-snapshot"] >= 1
     with open(leader.stderr_path, encoding="utf-8") as log:
         assert "fenced" not in log.read()
+
+
+def test_replicas_in_step_follow_a_new_leader_without_a_snapshot(tmp_path, etcd, started):
+    """A failover used to snapshot every replica (a new epoch: no backlog could serve them), seconds of
+    the new leader's loop with many jobs. A replica whose queue is exactly at the new leader's position
+    when it was elected now takes the new epoch from the backlog; a restarted member still needs one."""
+    from spark_beanstalk.client import encode_put
+
+    members = _start_cluster(tmp_path, started, [etcd.address] * 3)
+    leader = members[0]
+    with Connection(leader.host, leader.port, timeout=30) as conn:
+        for reply in conn.pipeline([encode_put(b"before %d" % i, 100, 0, 60) for i in range(5_000)]):
+            assert reply.status == b"INSERTED", reply
+        assert conn.delete(int(reply.args[0]))
+    for m in members[1:]:
+        wait_until(lambda m=m: _caught_up(leader, m), 15, what="replicas caught up")
+    for round_ in range(2):
+        leader.kill()
+        new = wait_until(lambda: _one_leader(members), 10, what="a new leader")
+        others = [m for m in members if m is not new and m is not leader]
+        for m in others:
+            wait_until(lambda m=m, new=new: _caught_up(new, m), 15, what="the other replica follows the new leader")
+        with Connection(new.host, new.port, timeout=10) as conn:
+            conn.put(b"after failover %d" % round_)
+        for m in others:
+            wait_until(lambda m=m, new=new: _caught_up(new, m), 15, what="the put replicated")
+        stats = _stats(new)
+        assert stats["replication-joined-by-snapshot"] == 0, stats
+        assert stats["replication-joined-by-backlog"] == len(others), stats
+        leader.start()  # a restarted member: its position file may lag its binlog, so it gets a snapshot
+        wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15, what="the old leader rejoined")
+        assert _stats(new)["replication-joined-by-snapshot"] == 1
+        ready = [s["current-jobs-ready"] for s in map(_stats, members)]
+        assert ready == [4_999 + round_ + 1] * 3, ready
+        leader = new

@@ -13,7 +13,7 @@ from broker import queue_verbs
 from broker.queue import Queue
 from broker.replication import wire
 from broker.replication.follower import Applier, Position
-from broker.replication.source import ReplicaSession, ReplicationSource
+from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource
 
 NS = 1_000_000_000
 
@@ -160,3 +160,113 @@ def test_replaying_a_put_and_its_delete_recreates_and_deletes_the_job():
     applier.pos = Position(5, 0)
     applier.apply(records)
     assert _state(replica) == {2: ("default", 0, 5, b"kept", 0, 0, 0, 0)}
+
+
+class Member:
+    """A replica's queue and applier, with the source it leads with once elected (in process)."""
+
+    def __init__(self) -> None:
+        self.source = ReplicationSource()
+        self.queue = Queue(Clock(), listener=self.source)
+        self.source.recover(self.queue)
+        self.applier = Applier(self.queue, Position())
+
+    def follow(self, source: ReplicationSource) -> Sink:
+        sink = Sink()
+        session = ReplicaSession("r", sink)  # type: ignore[arg-type]
+        source.attach(session, self.applier.pos.epoch, self.applier.pos.seq, self.applier.exact)
+        return sink
+
+    def apply(self, sink: Sink) -> None:
+        self.applier.apply(wire.split_messages(bytearray(sink.data)))
+
+    def elect(self, epoch: int) -> None:
+        """What Member.become_leader hands the source: its position and tail, when exact."""
+        a = self.applier
+        self.source.start(epoch, Predecessor(a.pos.epoch, a.pos.seq, tuple(a.tail)) if a.exact else None)
+        a.pos = Position(epoch, 0)
+        a.clear_tail()
+
+
+def _old_leader_with(replicas: list[Member], cut: int = 0) -> ReplicationSource:
+    """Epoch 5's leader: every replica follows it and gets its workload; the last ``cut`` records miss
+    the last replica (it was a little behind when the leader died)."""
+    leader, source = _leader()
+    sinks = [r.follow(source) for r in replicas]
+    _workload(leader)
+    source.sync_point()
+    for r, sink in zip(replicas, sinks, strict=True):
+        msgs = wire.split_messages(sink.data)
+        if r is replicas[-1] and cut:
+            msgs = msgs[:-cut]
+        r.applier.apply(msgs)
+    return source
+
+
+def test_a_replica_in_step_with_the_new_leader_takes_its_epoch_without_a_snapshot():
+    b, c = Member(), Member()
+    old = _old_leader_with([b, c])
+    assert b.applier.exact and c.applier.exact and b.applier.pos == c.applier.pos == Position(5, old.seq)
+    b.elect(6)
+    conn = queue_verbs.connect(b.queue, lambda _r: None)
+    b.queue.put(conn, 1, 0, 60, b"after the failover")
+    sink = c.follow(b.source)
+    kinds = [m.kind for m in wire.split_messages(bytearray(sink.data))]
+    assert kinds == [wire.M_NEW_EPOCH, wire.M_RECORD]
+    c.apply(sink)
+    assert b.source.catch_ups == {"backlog": 1, "snapshot": 0}
+    assert c.applier.pos == Position(6, 1) and c.applier.exact
+    assert _state(c.queue) == _state(b.queue)
+
+
+def test_a_replica_a_little_behind_gets_the_old_epochs_records_from_the_new_leader():
+    b, c = Member(), Member()
+    old = _old_leader_with([b, c], cut=3)
+    assert c.applier.pos == Position(5, old.seq - 3)
+    b.elect(6)
+    sink = c.follow(b.source)
+    msgs = wire.split_messages(bytearray(sink.data))
+    missed = [(wire.M_RECORD, 5, old.seq - 2), (wire.M_RECORD, 5, old.seq - 1), (wire.M_RECORD, 5, old.seq)]
+    assert [(m.kind, m.epoch, m.seq) for m in msgs] == [*missed, (wire.M_NEW_EPOCH, 6, 0)]
+    c.apply(sink)
+    assert b.source.catch_ups["snapshot"] == 0
+    assert _state(c.queue) == _state(b.queue)
+
+
+@pytest.mark.parametrize("case", ["restarted", "ahead", "behind the tail", "leader not exact"])
+def test_a_replica_not_in_step_with_the_new_leader_gets_a_snapshot(case):
+    b, c = Member(), Member()
+    if case == "ahead":
+        _old_leader_with([c, b], cut=2)  # b, the new leader, missed the old leader's last two records
+    else:
+        _old_leader_with([b, c], cut=3 if case == "behind the tail" else 0)
+    if case == "restarted":
+        c.applier = Applier(c.queue, c.applier.pos)  # the position file after a restart: not known exact
+    if case == "behind the tail":
+        b.applier.tail.popleft()  # b keeps fewer records than c is behind
+        while len(b.applier.tail) > 2:
+            b.applier.tail.popleft()
+    if case == "leader not exact":
+        b.applier.exact = False
+    b.elect(6)
+    conn = queue_verbs.connect(b.queue, lambda _r: None)
+    b.queue.put(conn, 1, 0, 60, b"after the failover")
+    sink = c.follow(b.source)
+    assert wire.split_messages(bytearray(sink.data))[0].kind == wire.M_SNAPSHOT_BEGIN
+    c.apply(sink)
+    assert b.source.catch_ups == {"backlog": 0, "snapshot": 1}
+    assert _state(c.queue) == _state(b.queue)
+
+
+def test_a_new_epoch_that_does_not_start_at_the_replicas_position_is_refused():
+    b, c = Member(), Member()
+    _old_leader_with([b, c])
+    b.elect(6)
+    sink = c.follow(b.source)
+    c.applier.pos = Position(5, 1)  # not where the leader was when elected
+    with pytest.raises(wire.StreamError):
+        c.apply(sink)
+    c.applier.pos = Position(5, b.source.predecessor.seq)
+    c.applier.exact = False  # a queue not known to be at its position may not skip the snapshot
+    with pytest.raises(wire.StreamError):
+        c.apply(sink)

@@ -17,6 +17,7 @@ import os
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ log = logging.getLogger("broker.replication")
 STATE_FILE = "replication.json"
 CONNECT_TIMEOUT = 3.0
 SILENCE_TIMEOUT = 3.0  # the leader heartbeats every 0.1 s; this much silence means it is gone
+TAIL_BYTES = 8 << 20  # the newest records a replica keeps, to serve replicas a little behind it if it is elected
 
 
 @dataclass
@@ -61,12 +63,19 @@ def save_position(directory: str, pos: Position) -> None:
 class Applier:
     """Applies stream messages to the queue; tracks position and lag."""
 
-    def __init__(self, queue: Queue, pos: Position) -> None:
+    def __init__(self, queue: Queue, pos: Position, tail_bytes: int = TAIL_BYTES) -> None:
         self.queue = queue
         self.pos = pos
         self.snapshot: set[int] | None = None
         self.leader_head = pos.seq
         self.caught_up_at = time.monotonic()
+        # The queue is exactly the state at ``pos``: true after a snapshot (or leading) in this process, false
+        # after a restart (the binlog may hold records past a lagging position file) or mid-snapshot. Only an
+        # exact member may take a new leader's epoch without a snapshot (wire.M_NEW_EPOCH).
+        self.exact = False
+        self.tail: deque[wire.StreamRecord] = deque()  # the records of pos.epoch up to pos.seq, newest last
+        self.tail_bytes = 0
+        self.tail_limit = tail_bytes
 
     def lag_records(self) -> int:
         return max(0, self.leader_head - self.pos.seq)
@@ -85,8 +94,13 @@ class Applier:
                 moved |= self._record(m, off)
             elif m.kind == wire.M_SNAPSHOT_BEGIN:
                 self.snapshot = set()
+                self.exact = False
+                self.clear_tail()
             elif m.kind == wire.M_SNAPSHOT_END:
                 self._end_snapshot(m)
+                moved = True
+            elif m.kind == wire.M_NEW_EPOCH:
+                self._new_epoch(m)
                 moved = True
             else:
                 self.leader_head = max(self.leader_head, m.seq) if m.epoch == self.pos.epoch else m.seq
@@ -106,7 +120,24 @@ class Applier:
         self._apply_record(m.payload, off)
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = max(self.leader_head, m.seq)
+        self.tail.append(wire.StreamRecord(m.seq, m.wall_ns, m.payload))
+        self.tail_bytes += len(m.payload)
+        while self.tail_bytes > self.tail_limit:
+            self.tail_bytes -= len(self.tail.popleft().record)
         return True
+
+    def _new_epoch(self, m: wire.Message) -> None:
+        if len(m.payload) != wire.EPOCH_START.size:
+            raise wire.StreamError("bad new-epoch message")
+        if not self.exact or wire.EPOCH_START.unpack(m.payload) != self.pos.key() or m.epoch <= self.pos.epoch:
+            raise wire.StreamError(f"epoch {m.epoch} does not start at our position {self.pos.key()}")
+        self.pos = Position(m.epoch, 0)
+        self.leader_head = 0
+        self.clear_tail()
+
+    def clear_tail(self) -> None:
+        self.tail.clear()
+        self.tail_bytes = 0
 
     def _apply_record(self, record: bytes, off: int) -> int:
         fields = wire.decode_record(record)
@@ -130,6 +161,7 @@ class Applier:
         self.snapshot = None
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = m.seq
+        self.exact = True
         self._bump_next_id(m.payload)
 
     def _bump_next_id(self, payload: bytes) -> None:
@@ -210,7 +242,8 @@ class Follower:
             if line != b"OK\r\n":
                 raise ValueError(f"replication auth refused: {line!r}")
         pos = self.applier.pos
-        writer.write(b"replicate %s %d %d\r\n" % (self.name.encode(), pos.epoch, pos.seq))
+        exact = b" exact" if self.applier.exact else b""
+        writer.write(b"replicate %s %d %d%s\r\n" % (self.name.encode(), pos.epoch, pos.seq, exact))
         line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
         if not line.startswith(b"STREAMING "):
             raise ValueError(f"the member at {self.target.host}:{self.target.port} does not stream: {line!r}")

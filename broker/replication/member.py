@@ -40,7 +40,7 @@ from broker.replication.follower import (
     nodelay,
     save_position,
 )
-from broker.replication.source import ReplicaSession, ReplicationSource, SyncHold
+from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource, SyncHold
 
 if TYPE_CHECKING:
     from broker.server import BrokerServer
@@ -169,8 +169,11 @@ class Member:
             # ids never repeat across failovers: a new epoch's ids start above any earlier leader's
             queue = self.server.queue
             queue.next_id = max(queue.next_id, epoch << 32)
-        self.source.start(epoch)
-        self.applier.pos = Position(epoch, 0)
+        applier = self.applier
+        before = Predecessor(applier.pos.epoch, applier.pos.seq, tuple(applier.tail)) if applier.exact else None
+        self.source.start(epoch, before)
+        applier.pos = Position(epoch, 0)
+        applier.clear_tail()
         self._save()
         self.failovers += 1
         logs.event(log, logging.WARNING, "leader", f"{self.config.name} leads, epoch {epoch}")
@@ -187,6 +190,7 @@ class Member:
         if self.hold is not None:
             self.hold.abort()
         self.applier.pos = Position(self.epoch, self.source.seq)
+        self.applier.exact = True  # every change this member made while leading is one of its records
         self.source.stop()
         self._save()
         for conn in list(server.connections):
@@ -285,9 +289,10 @@ class Member:
                 line = await asyncio.wait_for(reader.readline(), 10)
             words = line.split()
             verb = words[0].decode("ascii", "replace") if words else ""
-            if verb == "replicate" and len(words) == 4 and words[2].isdigit() and words[3].isdigit():
+            if verb == "replicate" and len(words) in (4, 5) and words[2].isdigit() and words[3].isdigit() \
+                    and words[4:] in ([], [b"exact"]):
                 await self._serve_replica(words[1].decode("ascii", "replace"), int(words[2]), int(words[3]),
-                                          reader, writer)
+                                          len(words) == 5, reader, writer)
             elif verb in ("demote", "promote", "role"):
                 writer.write(await self._admin(verb))
                 await writer.drain()
@@ -298,14 +303,14 @@ class Member:
         finally:
             writer.close()
 
-    async def _serve_replica(self, name: str, epoch: int, seq: int, reader: asyncio.StreamReader,
+    async def _serve_replica(self, name: str, epoch: int, seq: int, exact: bool, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
         if not self.is_leader():
             writer.write(NOT_LEADER)
             return
         writer.write(b"STREAMING %d\r\n" % self.epoch)
         session = ReplicaSession(name, writer)
-        how = self.source.attach(session, epoch, seq)
+        how = self.source.attach(session, epoch, seq, exact)
         logs.event(log, logging.INFO, "replica", f"{name} streams from ({epoch}, {seq}) by {how}")
         try:
             while not session.closed:

@@ -4,9 +4,13 @@ While this member leads, every queue change becomes one binlog record (the same 
 binlog writes) numbered ``seq`` within the leader's ``epoch``. Records are kept in a bounded
 in-memory backlog and sent to every replica at the server's sync point (once per reply
 batch). A replica that asks for a position in this epoch that the backlog still holds gets
-the records after it; any other position (another epoch, older than the backlog, a fresh
-replica) gets a snapshot of the live jobs first. ``SyncHold`` keeps replies that acknowledge
-changes until ``--sync-replicas`` replicas have acknowledged their records.
+the records after it. A replica that was in step with this member when it was elected (the
+same position in the previous epoch, or an earlier one this member still has the records
+after, and a queue exactly at it) gets those records, ``M_NEW_EPOCH`` and the new epoch's
+records: a failover costs the replicas no snapshot. Any other position (an older epoch, older
+than the backlogs, a fresh or restarted replica) gets a snapshot of the live jobs first.
+``SyncHold`` keeps replies that acknowledge changes until ``--sync-replicas`` replicas have
+acknowledged their records.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from broker import binlog_format as fmt
 from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener
@@ -50,6 +54,15 @@ class ReplicaSession:
             self.writer.transport.abort()
 
 
+class Predecessor(NamedTuple):
+    """Where this member stood in the previous leader's epoch when it was elected, and the newest
+    records of that epoch it applied (``Applier.tail``, contiguous, the last one ``seq``)."""
+
+    epoch: int
+    seq: int
+    tail: tuple[wire.StreamRecord, ...]
+
+
 class ReplicationSource(QueueListener):
     """Queue listener active while this member leads."""
 
@@ -65,11 +78,15 @@ class ReplicationSource(QueueListener):
         self.queue: Queue | None = None
         self.on_ack: Callable[[], None] = _nothing
         self.catch_ups = {"backlog": 0, "snapshot": 0}  # how replicas joined, for stats
+        self.predecessor: Predecessor | None = None
 
     # -- leading ---------------------------------------------------------------------------
-    def start(self, epoch: int) -> None:
+    def start(self, epoch: int, predecessor: Predecessor | None = None) -> None:
+        """Lead ``epoch``; ``predecessor`` when this member's queue is exactly the state at its position
+        in the previous epoch (replicas in step with it then need no snapshot)."""
         self.active = True
         self.epoch = epoch
+        self.predecessor = predecessor
         self.seq = 0
         self.backlog.clear()
         self.backlog_bytes = 0
@@ -137,17 +154,25 @@ class ReplicationSource(QueueListener):
                               _counters(job), job.tube.name_bytes, job.body)
 
     # -- replicas --------------------------------------------------------------------------
-    def attach(self, session: ReplicaSession, epoch: int, seq: int) -> str:
+    def attach(self, session: ReplicaSession, epoch: int, seq: int, exact: bool = False) -> str:
         """Start streaming to a replica at (epoch, seq); returns "backlog" or "snapshot".
 
+        ``exact``: the replica's queue is exactly the state at its position (wire.M_NEW_EPOCH).
         Synchronous on purpose: nothing can change the queue between the catch-up data and
         the session joining the live stream.
         """
         self.sync_point()  # records not yet sent belong to the live stream of the others
         first = self.backlog[0][0] if self.backlog else self.seq + 1
         now = time.time_ns()
+        older = self._previous_epoch_after(epoch, seq) if exact and first == 1 else None
         if epoch == self.epoch and first - 1 <= seq <= self.seq:
             parts = [msg for s, msg in self.backlog if s > seq]
+            how = "backlog"
+        elif older is not None:
+            assert self.predecessor is not None
+            start = wire.EPOCH_START.pack(self.predecessor.epoch, self.predecessor.seq)
+            parts = [*older, wire.message(wire.M_NEW_EPOCH, self.epoch, 0, now, start)]
+            parts += [msg for _, msg in self.backlog]
             how = "backlog"
         else:
             assert self.queue is not None
@@ -161,6 +186,17 @@ class ReplicationSource(QueueListener):
         self.sessions.append(session)
         self.catch_ups[how] += 1
         return how
+
+    def _previous_epoch_after(self, epoch: int, seq: int) -> list[bytes] | None:
+        """The previous epoch's records after (epoch, seq) up to where this member was elected, or None
+        when that position is not one this member passed through with the records still at hand."""
+        pred = self.predecessor
+        if pred is None or epoch != pred.epoch or seq > pred.seq:
+            return None
+        tail = [r for r in pred.tail if r.seq > seq]
+        if seq < pred.seq and (not tail or tail[0].seq != seq + 1):
+            return None
+        return [wire.message(wire.M_RECORD, pred.epoch, r.seq, r.wall_ns, r.record) for r in tail]
 
     def detach(self, session: ReplicaSession) -> None:
         session.close()

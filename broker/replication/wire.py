@@ -1,7 +1,7 @@
 """The replication stream's format: binlog records, each with its epoch and sequence number.
 
 After a line-based handshake (``auth <token>`` when the broker has a token, then
-``replicate <name> <epoch> <seq>``; the leader answers ``STREAMING <epoch>``), the leader
+``replicate <name> <epoch> <seq> [exact]``; the leader answers ``STREAMING <epoch>``), the leader
 sends messages, each a fixed header then a payload::
 
     kind B, epoch Q, seq Q, wall_ns q, length I, payload (length bytes)
@@ -13,6 +13,16 @@ sends messages, each a fixed header then a payload::
   (sent as ``M_RECORD`` with ``seq`` 0); the replica then drops every job the snapshot did not
   name and stands at ``seq`` of the end message. END's payload is the leader's next job id (Q).
 * ``M_HEARTBEAT``: ``seq`` is the leader's newest record, payload its next job id (Q).
+* ``M_NEW_EPOCH``: the replica's history is the leader's up to the start of ``epoch``: the
+  leader had exactly the records the replica has, (epoch Q, seq Q) in the payload, when it was
+  elected. The replica stands at (``epoch``, 0) and the records of the new epoch follow. Sent
+  instead of a snapshot to a replica that asked with ``exact`` (see the handshake) for the
+  leader's position at its election, or for an earlier one of that epoch that the leader still
+  has the records after (sent first, as ``M_RECORD`` of the old epoch).
+
+The handshake's optional fifth word, ``exact``, says the replica's queue is exactly the state
+at its position (it has applied every change since its last snapshot in this process, so no
+binlog written past a lagging position file can hold more).
 
 The replica answers with ``ACK`` messages (epoch Q, seq Q): every record up to ``seq`` is in
 its queue and written to its own binlog.
@@ -27,8 +37,10 @@ from broker import binlog_format as fmt
 
 HEADER = struct.Struct("<BQQqI")
 ACK = struct.Struct("<QQ")
+EPOCH_START = ACK  # M_NEW_EPOCH's payload: the (epoch, seq) the leader stood at when elected
 NEXT_ID = struct.Struct("<Q")
-M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT = 1, 2, 3, 4
+M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT, M_NEW_EPOCH = 1, 2, 3, 4, 5
+KINDS = frozenset((M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT, M_NEW_EPOCH))
 MAX_MESSAGE = 1 << 31
 
 
@@ -42,6 +54,14 @@ class Message(NamedTuple):
     seq: int
     wall_ns: int
     payload: bytes
+
+
+class StreamRecord(NamedTuple):
+    """One M_RECORD as a replica keeps it after applying it (``Applier.tail``), to send it on if elected."""
+
+    seq: int
+    wall_ns: int
+    record: bytes
 
 
 class JobFields(NamedTuple):
@@ -79,7 +99,7 @@ def split_messages(buf: bytearray) -> list[Message]:
     size = HEADER.size
     while len(buf) - pos >= size:
         kind, epoch, seq, wall, length = HEADER.unpack_from(buf, pos)
-        if kind not in (M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT) or length >= MAX_MESSAGE:
+        if kind not in KINDS or length >= MAX_MESSAGE:
             raise StreamError(f"bad message header (kind {kind}, length {length})")
         if len(buf) - pos - size < length:
             break

@@ -22,7 +22,8 @@ from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
 from tests.helpers import TcpProxy, etcd_process, member_process, wait_until
 
 FAILOVER_LIMIT = 3.0
-JOBS = 150_000  # enough for a snapshot that takes the leader's loop longer than its 1 s lease
+JOBS = 150_000  # enough for a snapshot in one step to take the leader's loop longer than its 1 s lease
+SLOWEST_PUT = 0.5  # seconds; the snapshot in one step kept puts waiting 1-2 s
 
 
 def _stats(proc) -> dict | None:
@@ -364,11 +365,31 @@ def test_promote_and_demote_move_leadership_without_losing_jobs(tmp_path, etcd, 
     assert new is not target
 
 
-def test_a_leader_busy_snapshotting_a_new_replica_keeps_its_lease(tmp_path, etcd, started):
-    """A member that joins empty gets a snapshot of every job, built in one step on the leader's event loop.
-    With many jobs that step outlasts the lease TTL (1 s here): the lease is renewed from a thread of its own,
-    so the leader keeps it. Before, it was fenced, and a replica set under load changed leaders every second
-    (bench/soak.py --side write --server cluster)."""
+class PutProbe(threading.Thread):
+    """Puts one job every 10 ms and keeps the slowest reply: how long the leader kept its clients waiting."""
+
+    def __init__(self, member) -> None:
+        super().__init__(daemon=True)
+        self.member = member
+        self.stop = threading.Event()
+        self.slowest = 0.0
+        self.puts = 0
+
+    def run(self) -> None:
+        with Connection(self.member.host, self.member.port, timeout=30) as conn:
+            while not self.stop.wait(0.01):
+                t0 = time.monotonic()
+                conn.put(b"probe")
+                self.slowest = max(self.slowest, time.monotonic() - t0)
+                self.puts += 1
+
+
+def test_a_new_member_joining_by_snapshot_neither_stalls_nor_fences_the_leader(tmp_path, etcd, started):
+    """A member that joins empty gets a snapshot of every job. It was built in one step on the leader's
+    event loop: with 150,000 jobs the leader's clients waited seconds, and the lease's renewal with them,
+    so the leader was fenced and a replica set under load changed leaders every second (bench/soak.py
+    --side write --server cluster). Now the snapshot goes out SNAPSHOT_CHUNK jobs at a time, the loop
+    serving clients between pieces, and the lease is renewed from a thread of its own."""
     from spark_beanstalk.client import encode_put
 
     members = _start_cluster(tmp_path, started, [etcd.address, etcd.address], sync=0)
@@ -380,15 +401,21 @@ def test_a_leader_busy_snapshotting_a_new_replica_keeps_its_lease(tmp_path, etcd
             for reply in conn.pipeline([encode_put(body, 100, 0, 60)] * 10_000):
                 assert reply.status == b"INSERTED", reply
     wait_until(lambda: _caught_up(leader, members[1]), 60, what="the replica caught up")
+    probe = PutProbe(leader)
+    probe.start()
+    wait_until(lambda: probe.puts >= 10, 10, what="the probe putting")
     joining = member_process(str(tmp_path / "m9"), etcd=f"http://{etcd.address}", name="m9", sync_replicas=0,
                              lease_ttl=1, stderr_path=str(tmp_path / "m9.log"))
     started.append(joining.start())
     wait_until(lambda: _caught_up(leader, joining), 90, what="the new member caught up by snapshot")
+    probe.stop.set()
+    probe.join(30)
     after = _stats(leader)
     assert after["replication-role"] == "leader" and after["replication-epoch"] == epoch, after
     assert after["replication-joined-by-snapshot"] >= 1
     with open(leader.stderr_path, encoding="utf-8") as log:
         assert "fenced" not in log.read()
+    assert probe.slowest < SLOWEST_PUT, f"a put waited {probe.slowest:.2f} s while the snapshot was sent"
 
 
 def test_replicas_in_step_follow_a_new_leader_without_a_snapshot(tmp_path, etcd, started):

@@ -7,6 +7,8 @@ out of order or from an older epoch are refused.
 """
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from broker import queue_verbs
@@ -42,6 +44,9 @@ class Sink:
     def abort(self) -> None:
         pass
 
+    async def drain(self) -> None:
+        await asyncio.sleep(0)  # a real socket's drain may yield to the loop: the queue can change meanwhile
+
 
 def _leader(epoch: int = 5) -> tuple[Queue, ReplicationSource]:
     source = ReplicationSource()
@@ -56,9 +61,16 @@ def _state(queue: Queue) -> dict:
             for j in queue.jobs.values()}
 
 
+def _join(source: ReplicationSource, sink: Sink, pos: Position, exact: bool = False) -> None:
+    """What the leader's replication listener does for a replica that asks from ``pos``."""
+    session = ReplicaSession("r", sink)  # type: ignore[arg-type]
+    if not source.attach(session, pos.epoch, pos.seq, exact):
+        assert asyncio.run(source.send_snapshot(session))
+
+
 def _attach(source: ReplicationSource, pos: Position) -> Sink:
     sink = Sink()
-    source.attach(ReplicaSession("r", sink), pos.epoch, pos.seq)  # type: ignore[arg-type]
+    _join(source, sink, pos)
     return sink
 
 
@@ -173,8 +185,7 @@ class Member:
 
     def follow(self, source: ReplicationSource) -> Sink:
         sink = Sink()
-        session = ReplicaSession("r", sink)  # type: ignore[arg-type]
-        source.attach(session, self.applier.pos.epoch, self.applier.pos.seq, self.applier.exact)
+        _join(source, sink, self.applier.pos, self.applier.exact)
         return sink
 
     def apply(self, sink: Sink) -> None:
@@ -270,3 +281,60 @@ def test_a_new_epoch_that_does_not_start_at_the_replicas_position_is_refused():
     c.applier.exact = False  # a queue not known to be at its position may not skip the snapshot
     with pytest.raises(wire.StreamError):
         c.apply(sink)
+
+
+def _as_on_a_replica(state: dict) -> dict:
+    """A job reserved on the leader is ready on a replica (its reserves count kept)."""
+    return {i: s[:1] + (0 if s[1] == 2 else s[1],) + s[2:] for i, s in state.items()}
+
+
+def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_changes():
+    """The leader serves its clients between pieces of a snapshot: jobs not yet sent are deleted,
+    reserved and put meanwhile; the records logged meanwhile follow the end message."""
+    leader, source = _leader()
+    c = queue_verbs.connect(leader, lambda _r: None)
+    for i in range(30):
+        leader.put(c, i, 0, 60, b"job-%d" % i)
+    replica = Queue(Clock())
+    stale = queue_verbs.connect(replica, lambda _r: None)
+    replica.next_id = 1000
+    replica.put(stale, 0, 0, 60, b"from an older history")  # not named by the snapshot: the end drops it
+    sink = Sink()
+    session = ReplicaSession("r", sink)  # type: ignore[arg-type]
+
+    async def snapshot_while_clients_work() -> tuple[bool, int]:
+        task = asyncio.ensure_future(source.send_snapshot(session, chunk=4))
+        rounds = 0
+        while not task.done():
+            leader.delete(c, 30 - rounds)  # a job in a piece not sent yet
+            leader.put(c, 0, 0, 60, b"meanwhile-%d" % rounds)
+            leader.reserve(c, 0)
+            rounds += 1
+            await asyncio.sleep(0)
+        return task.result(), rounds
+
+    done, rounds = asyncio.run(snapshot_while_clients_work())
+    assert done and rounds >= 5 and source.sessions == [session]
+    leader.put(c, 0, 0, 60, b"after")  # the live stream, now that the replica has joined it
+    source.sync_point()
+    applier = Applier(replica, Position())
+    applier.apply(wire.split_messages(bytearray(sink.data)))
+    assert applier.pos == Position(5, source.seq) and applier.exact
+    assert _state(replica) == _as_on_a_replica(_state(leader))
+
+
+def test_a_snapshot_stops_when_leadership_is_lost_between_pieces():
+    leader, source = _leader()
+    c = queue_verbs.connect(leader, lambda _r: None)
+    for i in range(10):
+        leader.put(c, 0, 0, 60, b"%d" % i)
+    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+
+    async def step_down_meanwhile() -> bool:
+        task = asyncio.ensure_future(source.send_snapshot(session, chunk=2))
+        await asyncio.sleep(0)
+        source.stop()
+        return await task
+
+    assert asyncio.run(step_down_meanwhile()) is False
+    assert session.closed and source.sessions == [] and source.catch_ups["snapshot"] == 0

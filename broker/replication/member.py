@@ -310,9 +310,11 @@ class Member:
             return
         writer.write(b"STREAMING %d\r\n" % self.epoch)
         session = ReplicaSession(name, writer)
-        how = self.source.attach(session, epoch, seq, exact)
+        how = "backlog" if self.source.attach(session, epoch, seq, exact) else "snapshot"
         logs.event(log, logging.INFO, "replica", f"{name} streams from ({epoch}, {seq}) by {how}")
         try:
+            if how == "snapshot" and not await self.source.send_snapshot(session):
+                return
             while not session.closed:
                 data = await reader.readexactly(wire.ACK.size)
                 ack_epoch, ack_seq = wire.ACK.unpack(data)

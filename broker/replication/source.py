@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 NS = 1_000_000_000
 BACKLOG_BYTES = 64 << 20
 MAX_UNSENT = 256 << 20  # a replica this far behind on the socket is dropped; it catches up by snapshot
+SNAPSHOT_CHUNK = 2_000  # jobs per piece of a snapshot: the leader serves its clients between pieces
 
 
 class ReplicaSession:
@@ -46,6 +47,13 @@ class ReplicaSession:
             return
         self.writer.write(data)
         if self.writer.transport.get_write_buffer_size() > MAX_UNSENT:
+            self.close()
+
+    async def drain(self) -> None:
+        """Wait until the socket takes what was sent (a snapshot goes out a piece at a time)."""
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError):
             self.close()
 
     def close(self) -> None:
@@ -154,8 +162,9 @@ class ReplicationSource(QueueListener):
                               _counters(job), job.tube.name_bytes, job.body)
 
     # -- replicas --------------------------------------------------------------------------
-    def attach(self, session: ReplicaSession, epoch: int, seq: int, exact: bool = False) -> str:
-        """Start streaming to a replica at (epoch, seq); returns "backlog" or "snapshot".
+    def attach(self, session: ReplicaSession, epoch: int, seq: int, exact: bool = False) -> bool:
+        """Catch a replica at (epoch, seq) up from the backlogs and join it to the live stream; False
+        when it needs a snapshot instead (``send_snapshot``).
 
         ``exact``: the replica's queue is exactly the state at its position (wire.M_NEW_EPOCH).
         Synchronous on purpose: nothing can change the queue between the catch-up data and
@@ -163,29 +172,54 @@ class ReplicationSource(QueueListener):
         """
         self.sync_point()  # records not yet sent belong to the live stream of the others
         first = self.backlog[0][0] if self.backlog else self.seq + 1
-        now = time.time_ns()
         older = self._previous_epoch_after(epoch, seq) if exact and first == 1 else None
         if epoch == self.epoch and first - 1 <= seq <= self.seq:
             parts = [msg for s, msg in self.backlog if s > seq]
-            how = "backlog"
         elif older is not None:
             assert self.predecessor is not None
             start = wire.EPOCH_START.pack(self.predecessor.epoch, self.predecessor.seq)
-            parts = [*older, wire.message(wire.M_NEW_EPOCH, self.epoch, 0, now, start)]
+            parts = [*older, wire.message(wire.M_NEW_EPOCH, self.epoch, 0, time.time_ns(), start)]
             parts += [msg for _, msg in self.backlog]
-            how = "backlog"
         else:
-            assert self.queue is not None
-            parts = [wire.message(wire.M_SNAPSHOT_BEGIN, self.epoch, self.seq, now)]
-            parts += [wire.message(wire.M_RECORD, self.epoch, 0, now, self.full_record(job))
-                      for job in self.queue.jobs.values() if job.state != INVALID]
-            parts.append(wire.message(wire.M_SNAPSHOT_END, self.epoch, self.seq, now,
-                                      wire.NEXT_ID.pack(self.queue.next_id)))
-            how = "snapshot"
+            return False
         session.send(b"".join(parts))
         self.sessions.append(session)
-        self.catch_ups[how] += 1
-        return how
+        self.catch_ups["backlog"] += 1
+        return True
+
+    async def send_snapshot(self, session: ReplicaSession, chunk: int = SNAPSHOT_CHUNK) -> bool:
+        """Every live job as a full record, ``chunk`` jobs at a time with the event loop free between
+        pieces; then the records logged meanwhile, from the backlog, and the session joins the live
+        stream. False (the session closed) when it cannot finish: leadership lost, the replica gone,
+        or the backlog no longer reaching back to where the snapshot began.
+
+        A job is sent as it is when its piece is made, so it may already show changes logged after the
+        snapshot began; those records follow the end message and set the same state again (applying is
+        idempotent). A job deleted before its piece is not named, and the end message drops it.
+        """
+        assert self.queue is not None
+        self.sync_point()
+        epoch, start = self.epoch, self.seq
+        jobs = self.queue.jobs.values()  # a list of the live jobs when the snapshot begins
+        session.send(wire.message(wire.M_SNAPSHOT_BEGIN, epoch, start, time.time_ns()))
+        for i in range(0, len(jobs), chunk):
+            now = time.time_ns()
+            session.send(b"".join([wire.message(wire.M_RECORD, epoch, 0, now, self.full_record(job))
+                                   for job in jobs[i:i + chunk] if job.state != INVALID]))
+            await session.drain()
+            if session.closed or not self.active or self.epoch != epoch:
+                session.close()
+                return False
+        self.sync_point()
+        first = self.backlog[0][0] if self.backlog else self.seq + 1
+        if first - 1 > start:  # more was logged meanwhile than the backlog holds
+            session.close()
+            return False
+        end = wire.message(wire.M_SNAPSHOT_END, epoch, start, time.time_ns(), wire.NEXT_ID.pack(self.queue.next_id))
+        session.send(b"".join([end, *(msg for s, msg in self.backlog if s > start)]))
+        self.sessions.append(session)
+        self.catch_ups["snapshot"] += 1
+        return True
 
     def _previous_epoch_after(self, epoch: int, seq: int) -> list[bytes] | None:
         """The previous epoch's records after (epoch, seq) up to where this member was elected, or None

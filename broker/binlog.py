@@ -110,6 +110,7 @@ class Binlog(SegmentLog, QueueListener):
         self._recovered: ScanResult | None = None
         self._damaged: list[int] = []
         self._closed = False
+        self.intact = True  # every record read back at start: no damage skipped, no torn tail (replication trusts it)
 
     # ------------------------------------------------------------------ opening and recovery
     def open(self) -> None:
@@ -124,6 +125,7 @@ class Binlog(SegmentLog, QueueListener):
                 gc.enable()
         self._recovered = rec
         self._damaged = list(rec.damaged)
+        self.intact = not (rec.damaged or rec.torn)
         self._max_id = rec.max_id
         for idx in rec.segments:
             self._order.append(idx)

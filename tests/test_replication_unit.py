@@ -338,3 +338,16 @@ def test_a_snapshot_stops_when_leadership_is_lost_between_pieces():
 
     assert asyncio.run(step_down_meanwhile()) is False
     assert session.closed and source.sessions == [] and source.catch_ups["snapshot"] == 0
+
+
+def test_the_position_file_says_exact_only_when_a_clean_shutdown_wrote_it(tmp_path):
+    from broker.replication.follower import SavedPosition, load_position, save_position
+
+    assert load_position(str(tmp_path)) == SavedPosition(Position(), False)  # no file: a fresh member
+    save_position(str(tmp_path), Position(7, 42), exact=True)
+    assert load_position(str(tmp_path)) == SavedPosition(Position(7, 42), True)
+    save_position(str(tmp_path), Position(7, 43))
+    assert load_position(str(tmp_path)) == SavedPosition(Position(7, 43), False)
+    for garbage in ('{"epoch": 7, "seq": 43, "exact": "yes"}', "[1, 2]", "{", '{"epoch": "x", "seq": 1}'):
+        (tmp_path / "replication.json").write_text(garbage)
+        assert load_position(str(tmp_path)).exact is False

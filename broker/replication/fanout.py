@@ -12,9 +12,11 @@ from broker.queue import Job, Queue, QueueListener
 
 
 class Fanout(QueueListener):
-    def __init__(self, *listeners: QueueListener, before_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, *listeners: QueueListener, before_close: Callable[[], None] | None = None,
+                 after_close: Callable[[], None] | None = None) -> None:
         self.listeners = listeners
         self.before_close = before_close  # the member stops applying before the binlog closes
+        self.after_close = after_close  # and records a clean shutdown once it has closed
         self.syncs_every_reply = any(item.syncs_every_reply for item in listeners)
 
     def job_put(self, job: Job) -> None:
@@ -52,3 +54,5 @@ class Fanout(QueueListener):
             self.before_close()
         for item in self.listeners:
             item.close()
+        if self.after_close is not None:
+            self.after_close()

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from broker import logs, queue_apply
 from broker.queue import Queue
@@ -43,20 +44,28 @@ class Position:
         return (self.epoch, self.seq)
 
 
-def load_position(directory: str) -> Position:
+class SavedPosition(NamedTuple):
+    """The position file: where the member stood, and whether a clean shutdown wrote it after its binlog
+    closed (then the binlog holds exactly the state at ``pos``; otherwise it may hold more)."""
+
+    pos: Position
+    exact: bool
+
+
+def load_position(directory: str) -> SavedPosition:
     try:
         with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as fh:
             data = json.load(fh)
-        return Position(int(data["epoch"]), int(data["seq"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return Position()
+        return SavedPosition(Position(int(data["epoch"]), int(data["seq"])), data.get("exact") is True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return SavedPosition(Position(), False)
 
 
-def save_position(directory: str, pos: Position) -> None:
+def save_position(directory: str, pos: Position, exact: bool = False) -> None:
     path = os.path.join(directory, STATE_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"epoch": pos.epoch, "seq": pos.seq}, fh)
+        json.dump({"epoch": pos.epoch, "seq": pos.seq, **({"exact": True} if exact else {})}, fh)
     os.replace(tmp, path)
 
 
@@ -191,6 +200,7 @@ class Follower:
         self.connected = False
         self.last_error = ""
         self.stopped = False  # besides cancel(): asyncio.wait_for can swallow a cancellation (Python 3.11)
+        self.closed = False  # the server is closing: the member writes the last position itself
         self._saved_at = 0.0
 
     async def run(self) -> None:
@@ -250,6 +260,8 @@ class Follower:
 
     def _save(self, force: bool = False) -> None:
         now = time.monotonic()
+        if self.closed:
+            return
         if force or now - self._saved_at >= 0.1:
             self._saved_at = now
             try:

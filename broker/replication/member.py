@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker import logs, security
 from broker import protocol as p
+from broker.binlog import Binlog
+from broker.queue import QueueListener
 from broker.replication import wire
 from broker.replication.follower import (
     Applier,
@@ -107,13 +109,18 @@ class Member:
         self._follow_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._listener: asyncio.base_events.Server | None = None
+        self.binlog: QueueListener | None = None  # this member's own binlog (member_listener)
 
     # -- installation --------------------------------------------------------------------
     def install(self, server: BrokerServer) -> None:
         """Called by run_server before the first client: gate, hold, stats, tasks."""
         self.server = server
         queue = server.queue
-        self.applier = Applier(queue, load_position(self.config.state_dir))
+        saved = load_position(self.config.state_dir)
+        self.applier = Applier(queue, saved.pos)
+        if saved.exact:  # a clean shutdown: unless the binlog lost something, the queue is exactly at pos
+            self.applier.exact = self.binlog_intact()
+            self._save()  # from now on a crash may leave the binlog ahead of the file
         server.state.write_gate = self
         if self.config.sync_replicas:
             self.hold = SyncHold(self.source, self.config.sync_replicas, self.is_leader)
@@ -226,6 +233,8 @@ class Member:
         """The server is closing: stop every task before the binlog closes."""
         self.closed = True
         self.step_down("shutting down")
+        if self.follower is not None:
+            self.follower.closed = True
         for task in [*self._tasks, self._follow_task]:
             if task is not None:
                 task.cancel()
@@ -233,6 +242,17 @@ class Member:
             self._listener.close()
 
     closed = False
+
+    def binlog_intact(self) -> bool:
+        """Whether the binlog was read whole at start (no damage skipped, no torn tail)."""
+        return isinstance(self.binlog, Binlog) and self.binlog.intact
+
+    def closed_cleanly(self) -> None:
+        """The binlog closed (written, fsynced): it holds exactly the state at our position. Saying so lets
+        the member take a new leader's epoch without a snapshot after a restart (wire.M_NEW_EPOCH)."""
+        assert self.applier is not None
+        with contextlib.suppress(OSError):
+            save_position(self.config.state_dir, self.position(), exact=self.applier.exact)
 
     def _after_batch(self) -> None:
         assert self.server is not None

@@ -86,4 +86,5 @@ def build_member(binlog_dir: str | None, listen: str, port: int, token: bytes | 
 
 def member_listener(member: Member, binlog: QueueListener) -> QueueListener:
     """The queue's listener for a member: its binlog, then the stream."""
-    return Fanout(binlog, member.source, before_close=member.shutdown)
+    member.binlog = binlog
+    return Fanout(binlog, member.source, before_close=member.shutdown, after_close=member.closed_cleanly)

@@ -870,19 +870,18 @@ class PartitionMark:
 
         return _ask_brokers(opts, recorded, f"whether partition {self.partition} of batch {self.batch_id} was put")
 
-    def record(self, opts: WriterOptions, digest: str, put: int) -> None:
-        """Record the partition as put on every reachable broker; best effort: without it a replay of the
-        batch puts the partition again (a duplicate, never a loss)."""
+    def record(self, opts: WriterOptions, digest: str, put: int) -> int:
+        """Record the partition as put on every reachable broker, waiting through an outage as the rows
+        would; returns how many brokers hold it. Without it a replay of the batch puts the partition
+        again (a duplicate, never a loss), so in the end this logs instead of raising."""
         body = json.dumps({"batch_id": self.batch_id, "partition": self.partition, "digest": digest,
                            "put": put}).encode()
-        for broker in opts.links():
-            try:
-                with _connect(opts, broker) as conn:
-                    conn.use(self.tube)
-                    conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
-            except Exception as exc:  # noqa: BLE001 - logged: the partition itself is put
-                log.warning("could not record partition %s of batch %s as put on %s: %s", self.partition,
-                            self.batch_id, broker.name, exc)
+
+        def put_mark(conn: Connection) -> None:
+            conn.use(self.tube)
+            conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+
+        return _on_every_broker(opts, put_mark, f"partition {self.partition} of batch {self.batch_id} was put")
 
 
 def rows_digest(by_host: Iterable[Iterable[Entry]]) -> str:
@@ -935,32 +934,43 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
     """
     tube = marker_tube(namespace)
     body = json.dumps({"batch_id": batch_id, "put": summary.get("put"), "time": time.time()}).encode()
+
+    def put_marker(conn: Connection) -> None:
+        conn.use(tube)
+        new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
+        _delete_all(conn, tube, keep=new_id)
+        _drop_legacy_markers(conn, namespace, batch_id)
+
+    return _on_every_broker(opts, put_marker, f"batch {batch_id} was put (its completion marker)")
+
+
+def _on_every_broker(opts: WriterOptions, action: Callable[[Connection], None], what: str) -> int:
+    """Run a marker's `action` on every reachable broker; returns on how many it succeeded.
+
+    While every broker is down (a restart, a partition) it tries again as the rows would (`Outage`);
+    a broker that answered but refused ends the wait (trying again would not help). A marker that
+    no broker takes is logged, not raised: the rows it records are put, only replay detection weakens."""
     outage = Outage(opts)
     while True:
-        written, errors, refused = 0, [], False
+        done, errors, refused = 0, [], False
         for broker in opts.links():
             try:
                 with _connect(opts, broker) as conn:
-                    conn.use(tube)
-                    new_id = conn.put(body, priority=MAX_U32, delay=MARKER_DELAY, ttr=1)
-                    written += 1
-                    _delete_all(conn, tube, keep=new_id)
-                    _drop_legacy_markers(conn, namespace, batch_id)
-            except Exception as exc:  # noqa: BLE001 - logged: the batch itself is complete
+                    action(conn)
+                done += 1
+            except Exception as exc:  # noqa: BLE001 - logged: the rows are put
                 errors.append(f"{broker.name}: {exc}")
                 refused = refused or not isinstance(exc, (ConnectionLost, OSError))  # answered, but no
-                if written:
-                    log.warning("could not write batch marker %s on %s: %s", tube, broker.name, exc)
-        if written or refused or outage.exhausted():
+        if done or refused or outage.exhausted():
             break
         if outage.rounds == 0:
-            log.warning("batch %s was put but no broker took its completion marker yet (%s); trying again for "
-                        "up to %gs", batch_id, "; ".join(errors), opts.broker_retry_seconds)
+            log.warning("%s, but no broker took the record yet (%s); trying again for up to %gs", what,
+                        "; ".join(errors), opts.broker_retry_seconds)
         outage.pause()
-    if not written:
-        log.warning("batch %s was put but no broker took its completion marker (%s); a replay would put it again",
-                    batch_id, "; ".join(errors))
-    return written
+    if errors:
+        log.warning("%s, but %s brokers did not record it (%s)%s", what, len(errors), "; ".join(errors),
+                    "" if done else ": a replay would put it again")
+    return done
 
 
 # --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from spark_beanstalk.writer import (
     BeanstalkUnavailableError,
     BeanstalkWriteError,
     ColumnSpec,
+    PartitionMark,
     _arrow_chunks,
     key_host,
     marker_exists,
@@ -234,8 +235,9 @@ def _restart_later(proc, seconds: float) -> threading.Thread:
 
 @pytest.mark.parametrize("kind", ["ours", "beanstalkd"])
 def test_batch_markers_wait_for_a_restarting_broker(server_factory, tmp_path, kind):
-    """With the broker down (a restart) the completion check and the marker wait for it, as the rows do:
-    "not completed" would put a completed batch again, and a marker not written lets a replay do the same."""
+    """With the broker down (a restart) the completion check and the markers (the batch's and a partition's)
+    wait for it, as the rows do: "not completed" would put a completed batch again, and a marker not written
+    lets a replay do the same."""
     proc = server_factory(kind, extra_args=["-b", str(tmp_path)])
     o = WriterOptions.parse({"hosts": proc.address, "retryInterval": "0.1", "brokerRetrySeconds": "30"})
     ns = marker_namespace("9c1e-query", o, explicit=False)
@@ -256,11 +258,21 @@ def test_batch_markers_wait_for_a_restarting_broker(server_factory, tmp_path, ki
     with Connection(proc.host, proc.port) as c:
         assert c.stats_tube(marker_tube(ns))["current-jobs-delayed"] == 1
 
-    proc.kill()                                              # down for good: both give up after the bound
+    mark = PartitionMark(ns, 6, 1)
+    restarted = _restart_later(proc, 1.5)
+    try:
+        recorded = mark.record(o, "3:ab:cd", 3)
+    finally:
+        restarted.join(30)
+    assert mark.already_put(o, "3:ab:cd") == proc.address    # recorded once the broker was back
+    assert recorded == 1
+
+    proc.kill()                                              # down for good: all give up after the bound
     short = WriterOptions.parse({"hosts": proc.address, "retries": "1", "retryInterval": "0.05",
                                  "brokerRetrySeconds": "0.3"})
     started = time.monotonic()
     assert marker_exists(short, ns, 5) is None and write_marker(short, ns, 6, {"put": 1}) == 0
+    assert PartitionMark(ns, 7, 0).record(short, "1:0:0", 1) == 0
     assert time.monotonic() - started < 10
 
 

@@ -39,7 +39,7 @@ bash scripts/lint.sh  # ruff + mypy --strict over the gated paths; an error stop
 # Two workers (pytest-xdist): the suite mostly waits (servers, timers, Spark), so a second worker
 # halves the wall clock. --dist loadgroup + tests/conftest.py keep every test of the `spark` fixture
 # on one worker (one SparkSession, one JVM) and each other module whole. TEST_WORKERS=0: serial.
-XDIST=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
+XDIST=(-n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)  # the spark group first (tests/conftest.py)
 python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider "$@"
 # The install compiled the broker core (mypyc) if it could: then the protocol suites run a second
 # time on the interpreted core, which is what machines without a C compiler get.

@@ -51,6 +51,13 @@ def _one_leader(members):
     return found[0] if len(found) == 1 else None
 
 
+def _job_counts(member) -> tuple[int, int, int]:
+    """(ready or reserved, delayed, buried): a job reserved on the leader is ready on a replica."""
+    s = _stats(member)
+    assert s is not None
+    return (s["current-jobs-ready"] + s["current-jobs-reserved"], s["current-jobs-delayed"], s["current-jobs-buried"])
+
+
 def _caught_up(leader, member) -> bool:
     a, b = _stats(leader), _stats(member)
     return bool(a and b and b["replication-role"] == "replica" and b["replication-lag-records"] == 0
@@ -255,6 +262,8 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd, started):
     for m in members:
         if m is not leader:
             wait_until(lambda m=m: _caught_up(leader, m), 15, what="every replica caught up")
+    # each restarted leader rejoined by a snapshot sent in pieces while the workers ran: same jobs everywhere
+    assert len({_job_counts(m) for m in members}) == 1, [_job_counts(m) for m in members]
     for holder in holders:
         holder.close()
     with Connection(leader.host, leader.port, timeout=5) as conn:

@@ -288,7 +288,8 @@ def _as_on_a_replica(state: dict) -> dict:
     return {i: s[:1] + (0 if s[1] == 2 else s[1],) + s[2:] for i, s in state.items()}
 
 
-def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_changes():
+@pytest.mark.parametrize(("chunk", "piece_bytes"), [(4, 1 << 20), (1_000, 1)], ids=["by-jobs", "by-bytes"])
+def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_changes(chunk, piece_bytes):
     """The leader serves its clients between pieces of a snapshot: jobs not yet sent are deleted,
     reserved and put meanwhile; the records logged meanwhile follow the end message."""
     leader, source = _leader()
@@ -303,7 +304,7 @@ def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_cha
     session = ReplicaSession("r", sink)  # type: ignore[arg-type]
 
     async def snapshot_while_clients_work() -> tuple[bool, int]:
-        task = asyncio.ensure_future(source.send_snapshot(session, chunk=4))
+        task = asyncio.ensure_future(source.send_snapshot(session, chunk=chunk, piece_bytes=piece_bytes))
         rounds = 0
         while not task.done():
             leader.delete(c, 30 - rounds)  # a job in a piece not sent yet

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 NS = 1_000_000_000
 BACKLOG_BYTES = 64 << 20
 MAX_UNSENT = 256 << 20  # a replica this far behind on the socket is dropped; it catches up by snapshot
-SNAPSHOT_CHUNK = 2_000  # jobs per piece of a snapshot: the leader serves its clients between pieces
+SNAPSHOT_CHUNK = 2_000  # jobs per piece of a snapshot at most: the leader serves its clients between pieces
+SNAPSHOT_PIECE_BYTES = 4 << 20  # and bytes per piece at most (2,000 jobs of 64 KiB would be 128 MiB)
 
 
 class ReplicaSession:
@@ -187,11 +188,12 @@ class ReplicationSource(QueueListener):
         self.catch_ups["backlog"] += 1
         return True
 
-    async def send_snapshot(self, session: ReplicaSession, chunk: int = SNAPSHOT_CHUNK) -> bool:
-        """Every live job as a full record, ``chunk`` jobs at a time with the event loop free between
-        pieces; then the records logged meanwhile, from the backlog, and the session joins the live
-        stream. False (the session closed) when it cannot finish: leadership lost, the replica gone,
-        or the backlog no longer reaching back to where the snapshot began.
+    async def send_snapshot(self, session: ReplicaSession, chunk: int = SNAPSHOT_CHUNK,
+                            piece_bytes: int = SNAPSHOT_PIECE_BYTES) -> bool:
+        """Every live job as a full record, in pieces of at most ``chunk`` jobs or ``piece_bytes`` bytes
+        with the event loop free between them; then the records logged meanwhile, from the backlog, and
+        the session joins the live stream. False (the session closed) when it cannot finish: leadership
+        lost, the replica gone, or the backlog no longer reaching back to where the snapshot began.
 
         A job is sent as it is when its piece is made, so it may already show changes logged after the
         snapshot began; those records follow the end message and set the same state again (applying is
@@ -202,10 +204,19 @@ class ReplicationSource(QueueListener):
         epoch, start = self.epoch, self.seq
         jobs = self.queue.jobs.values()  # a list of the live jobs when the snapshot begins
         session.send(wire.message(wire.M_SNAPSHOT_BEGIN, epoch, start, time.time_ns()))
-        for i in range(0, len(jobs), chunk):
+        i = 0
+        while i < len(jobs):
             now = time.time_ns()
-            session.send(b"".join([wire.message(wire.M_RECORD, epoch, 0, now, self.full_record(job))
-                                   for job in jobs[i:i + chunk] if job.state != INVALID]))
+            piece: list[bytes] = []
+            size = 0
+            for job in jobs[i:i + chunk]:
+                i += 1
+                if job.state != INVALID:
+                    piece.append(wire.message(wire.M_RECORD, epoch, 0, now, self.full_record(job)))
+                    size += len(piece[-1])
+                    if size >= piece_bytes:
+                        break
+            session.send(b"".join(piece))
             await session.drain()
             if session.closed or not self.active or self.epoch != epoch:
                 session.close()

@@ -25,7 +25,7 @@ FAILOVER_LIMIT = 3.0
 # A snapshot of 300,000 jobs in one step held the leader's loop 0.8 s on the Intel Xeon VM (150,000 already outlasted
 # the 1 s lease on the slower AMD VM); sent in pieces, the slowest put waited 0.10-0.14 s.
 JOBS = 300_000
-SLOWEST_PUT = 0.45
+SLOWEST_PUT = 0.6  # CI runs it beside the Spark worker: room for the scheduler, still below the one-step stall
 
 
 def _stats(proc) -> dict | None:

@@ -82,6 +82,10 @@ class QueueListener:
     def job_reserved(self, job: Job) -> None:
         """A job was reserved (its ``reserves`` counter moved); need not be durable before the reply."""
 
+    def tube_paused(self, tube: Tube) -> None:
+        """``pause-tube``: not logged (beanstalkd's binlog does not keep pauses either); a replica set
+        streams it, so a failover keeps the pause."""
+
     def stats(self) -> dict[str, int]:
         """binlog-* stats values: oldest-index, current-index, records-migrated, records-written, max-size."""
         return {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Job, Tube
 from broker.queue import Queue
+from broker.timers import TUBE_UNPAUSE
 
 
 def apply_job(queue: Queue, job_id: int, tube_name: str, pri: int, delay_ns: int, ttr_ns: int, body: bytes,
@@ -100,3 +101,17 @@ def serve_waiting(queue: Queue) -> None:
     """Hand ready jobs to clients blocked in reserve, if any (after a bulk restore)."""
     if queue.waiting_ct:
         queue._process_queue(queue.clock())
+
+
+def apply_pause(queue: Queue, tube_name: str, pause_ns: int, unpause_at: int) -> None:
+    """The leader paused a tube until ``unpause_at`` (this queue's clock): pause it here too, so a failover
+    keeps the pause. A tube this member does not have (no jobs, no clients here) is left alone, as the
+    leader's pause would end with its last client."""
+    tube = queue.tube_by_name.get(tube_name)
+    if tube is None:
+        return
+    tube.pause = pause_ns or 1
+    tube.unpause_at = unpause_at
+    tube.pause_count += 1
+    queue.timers.push(unpause_at, TUBE_UNPAUSE, tube)
+    queue.listener.tube_paused(tube)

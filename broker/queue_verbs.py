@@ -209,6 +209,8 @@ def pause_tube(queue: Queue, client: Client, name: str, delay: int) -> bytes:
     tube.pause = pause
     tube.pause_count += 1
     queue.timers.push(tube.unpause_at, TUBE_UNPAUSE, tube)
+    if queue.listening:
+        queue.listener.tube_paused(tube)
     return p.PAUSED
 
 

@@ -490,3 +490,23 @@ def test_a_member_stopped_cleanly_rejoins_a_new_leader_without_a_snapshot(tmp_pa
     assert stats["replication-joined-by-snapshot"] == 0, stats
     assert stats["replication-joined-by-backlog"] == 2, stats
     assert [s["current-jobs-ready"] for s in map(_stats, members)] == [1_000] * 3
+
+
+def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):
+    """pause-tube is not logged (beanstalkd's binlog does not keep it either), so a new leader used to
+    serve a tube the old one had paused; the replication stream now carries the pause."""
+    members = _start_cluster(tmp_path, started, [etcd.address] * 3)
+    leader = members[0]
+    with Connection(leader.host, leader.port, timeout=10) as conn:
+        conn.use("held")
+        conn.put(b"wait for the pause to end")
+        conn.pause_tube("held", 60)
+    for m in members[1:]:
+        wait_until(lambda m=m: _caught_up(leader, m), 15, what="replicas caught up")
+    leader.kill()
+    new = wait_until(lambda: _one_leader(members), 15, what="a new leader")
+    with Connection(new.host, new.port, timeout=10) as conn:
+        tube = conn.stats_tube("held")
+        assert tube["pause"] == 60 and 50 < tube["pause-time-left"] <= 60, tube
+        conn.watch("held")
+        assert conn.reserve(timeout=0) is None  # the job is ready, but its tube is paused

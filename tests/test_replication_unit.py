@@ -352,3 +352,36 @@ def test_the_position_file_says_exact_only_when_a_clean_shutdown_wrote_it(tmp_pa
     for garbage in ('{"epoch": 7, "seq": 43, "exact": "yes"}', "[1, 2]", "{", '{"epoch": "x", "seq": 1}'):
         (tmp_path / "replication.json").write_text(garbage)
         assert load_position(str(tmp_path)).exact is False
+
+
+def test_a_pause_reaches_the_replicas_live_and_in_a_snapshot():
+    """pause-tube is not in the binlog (nor in beanstalkd's), but the stream carries it: a failover keeps it."""
+    leader, source = _leader()
+    c = queue_verbs.connect(leader, lambda _r: None)
+    queue_verbs.use(leader, c, "emails")
+    leader.put(c, 0, 0, 60, b"a")
+    queue_verbs.use(leader, c, "reports")
+    leader.put(c, 0, 0, 60, b"b")
+    assert queue_verbs.pause_tube(leader, c, "emails", 30) == b"PAUSED\r\n"  # before the replica joins
+    live = _attach(source, Position())
+    assert queue_verbs.pause_tube(leader, c, "reports", 90) == b"PAUSED\r\n"  # after: on the live stream
+    source.sync_point()
+    replica = Queue(Clock())
+    applier = Applier(replica, Position())
+    applier.apply(wire.split_messages(bytearray(live.data)))
+    for name, seconds in (("emails", 30), ("reports", 90)):
+        ours, theirs = leader.tube_by_name[name], replica.tube_by_name[name]
+        assert theirs.pause == seconds * NS and theirs.pause_count == 1
+        assert abs(theirs.unpause_at - ours.unpause_at) < NS // 10  # the same end, through the wall clock
+    assert _state(replica) == _state(leader)
+    pauses = [m for m in wire.split_messages(bytearray(live.data))
+              if m.kind == wire.M_RECORD and isinstance(wire.decode_record(m.payload), wire.PauseFields)]
+    assert [m.seq for m in pauses] == [0, source.seq]  # one in the snapshot, one numbered on the live stream
+
+
+def test_a_pause_of_a_tube_the_replica_does_not_have_is_ignored():
+    replica = Queue(Clock())
+    applier = Applier(replica, Position(5, 0))
+    record = wire.encode_pause(b"nowhere", 10 * NS, 0)
+    applier.apply([wire.Message(wire.M_RECORD, 5, 1, 0, record)])
+    assert "nowhere" not in replica.tube_by_name and applier.pos == Position(5, 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker.queue import Job, Queue, QueueListener
+from broker.queue import Job, Queue, QueueListener, Tube
 
 
 class Fanout(QueueListener):
@@ -34,6 +34,10 @@ class Fanout(QueueListener):
     def job_deleted(self, job: Job) -> None:
         for item in self.listeners:
             item.job_deleted(job)
+
+    def tube_paused(self, tube: Tube) -> None:
+        for item in self.listeners:
+            item.tube_paused(tube)
 
     def stats(self) -> dict[str, int]:
         merged: dict[str, int] = {}

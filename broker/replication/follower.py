@@ -160,6 +160,9 @@ class Applier:
             deadline = fields.deadline - off if fields.deadline else 0
             queue_apply.apply_state(queue, fields.id, fields.state, fields.pri, fields.delay, deadline, fields.counters)
             return fields.id
+        if isinstance(fields, wire.PauseFields):
+            queue_apply.apply_pause(queue, fields.tube, fields.pause, fields.until - off)
+            return 0  # names no job: a snapshot's end keeps or drops jobs, not pauses
         queue_apply.apply_delete(queue, fields)
         return fields
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from broker import binlog_format as fmt
-from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener
+from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener, Tube
 from broker.replication import wire
 
 if TYPE_CHECKING:
@@ -132,6 +132,13 @@ class ReplicationSource(QueueListener):
         if self.active:
             self._emit(fmt.encode_delete(job.id))
 
+    def tube_paused(self, tube: Tube) -> None:
+        if self.active:
+            self._emit(self._pause_record(tube))
+
+    def _pause_record(self, tube: Tube) -> bytes:
+        return wire.encode_pause(tube.name_bytes, tube.pause, tube.unpause_at + self._wall_offset())
+
     def sync_point(self) -> None:
         if self.pending:
             data = b"".join(self.pending)
@@ -221,6 +228,10 @@ class ReplicationSource(QueueListener):
             if session.closed or not self.active or self.epoch != epoch:
                 session.close()
                 return False
+        now = time.time_ns()
+        clock = self.queue.clock()
+        session.send(b"".join([wire.message(wire.M_RECORD, epoch, 0, now, self._pause_record(tube))
+                               for tube in self.queue.tube_by_name.values() if tube.pause and tube.unpause_at > clock]))
         self.sync_point()
         first = self.backlog[0][0] if self.backlog else self.seq + 1
         if first - 1 > start:  # more was logged meanwhile than the backlog holds

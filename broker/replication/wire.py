@@ -13,6 +13,10 @@ sends messages, each a fixed header then a payload::
   (sent as ``M_RECORD`` with ``seq`` 0); the replica then drops every job the snapshot did not
   name and stands at ``seq`` of the end message. END's payload is the leader's next job id (Q).
 * ``M_HEARTBEAT``: ``seq`` is the leader's newest record, payload its next job id (Q).
+
+Besides the binlog's records, an ``M_RECORD`` may carry a stream-only ``K_PAUSE`` record (framed
+the same way): ``pause-tube`` on the leader (kind B, pause ns Q, wall-clock end q, tube name), which
+the binlog does not keep (beanstalkd's does not either) but a failover should.
 * ``M_NEW_EPOCH``: the replica's history is the leader's up to the start of ``epoch``: the
   leader had exactly the records the replica has, (epoch Q, seq Q) in the payload, when it was
   elected. The replica stands at (``epoch``, 0) and the records of the new epoch follow. Sent
@@ -42,6 +46,8 @@ NEXT_ID = struct.Struct("<Q")
 M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT, M_NEW_EPOCH = 1, 2, 3, 4, 5
 KINDS = frozenset((M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT, M_NEW_EPOCH))
 MAX_MESSAGE = 1 << 31
+K_PAUSE = 100  # a stream-only record kind, beyond the binlog's (binlog_format.K_*)
+PAUSE = struct.Struct("<BQq")
 
 
 class StreamError(Exception):
@@ -79,6 +85,14 @@ class JobFields(NamedTuple):
     body: bytes
 
 
+class PauseFields(NamedTuple):
+    """A decoded K_PAUSE record: the tube, its pause, and when it ends (wall-clock ns)."""
+
+    tube: str
+    pause: int
+    until: int
+
+
 class UpdateFields(NamedTuple):
     id: int
     state: int
@@ -110,8 +124,14 @@ def split_messages(buf: bytearray) -> list[Message]:
     return out
 
 
-def decode_record(record: bytes) -> JobFields | UpdateFields | int:
-    """One framed binlog record: the job's fields, an update's, or a deleted job's id."""
+def encode_pause(tube: bytes, pause_ns: int, until_wall_ns: int) -> bytes:
+    """A framed K_PAUSE record (the framing of a binlog record: length, crc32, payload)."""
+    payload = PAUSE.pack(K_PAUSE, pause_ns, until_wall_ns) + tube
+    return fmt.FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_record(record: bytes) -> JobFields | UpdateFields | PauseFields | int:
+    """One framed record: the job's fields, an update's, a pause's, or a deleted job's id."""
     if len(record) < fmt.FRAME_SIZE + 1:
         raise StreamError("record too short")
     length, crc = fmt.FRAME.unpack_from(record, 0)
@@ -130,4 +150,7 @@ def decode_record(record: bytes) -> JobFields | UpdateFields | int:
         return UpdateFields(u[1], u[2], u[3], u[4], u[5], (u[6], u[7], u[8], u[9], u[10]))
     if kind == fmt.K_DELETE and len(payload) == fmt.DELETE_SIZE:
         return int(fmt.DELETE.unpack_from(payload, 0)[1])
+    if kind == K_PAUSE and len(payload) > PAUSE.size:
+        _, pause, until = PAUSE.unpack_from(payload, 0)
+        return PauseFields(payload[PAUSE.size:].decode("latin-1"), pause, until)
     raise StreamError(f"unknown record kind {kind} or wrong length")

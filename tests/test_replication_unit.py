@@ -385,3 +385,38 @@ def test_a_pause_of_a_tube_the_replica_does_not_have_is_ignored():
     record = wire.encode_pause(b"nowhere", 10 * NS, 0)
     applier.apply([wire.Message(wire.M_RECORD, 5, 1, 0, record)])
     assert "nowhere" not in replica.tube_by_name and applier.pos == Position(5, 1)
+
+
+def test_a_replica_asks_an_older_leader_again_without_exact():
+    """A rolling upgrade does the replicas first: a leader that predates `exact` answers the five-word
+    `replicate` line UNKNOWN_COMMAND, and the replica asks again with the four words it knows."""
+    from broker.replication.follower import Follower, StreamTarget
+
+    async def scenario() -> list[bytes]:
+        lines: list[bytes] = []
+
+        async def old_leader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            line = await reader.readline()
+            lines.append(line)
+            writer.write(b"UNKNOWN_COMMAND\r\n" if len(line.split()) != 4 else b"STREAMING 5\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(old_leader, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        applier = Applier(Queue(Clock()), Position(5, 3))
+        applier.exact = True
+        follower = Follower(StreamTarget("127.0.0.1", port), "r1", applier, lambda: None, "/nonexistent")
+        task = asyncio.ensure_future(follower.run())
+        for _ in range(200):
+            if len(lines) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        follower.stopped = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+        return lines
+
+    lines = asyncio.run(scenario())
+    assert lines[:2] == [b"replicate r1 5 3 exact\r\n", b"replicate r1 5 3\r\n"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from broker import logs, queue_apply
+from broker.protocol import UNKNOWN_COMMAND
 from broker.queue import Queue
 from broker.replication import wire
 
@@ -204,6 +205,7 @@ class Follower:
         self.last_error = ""
         self.stopped = False  # besides cancel(): asyncio.wait_for can swallow a cancellation (Python 3.11)
         self.closed = False  # the server is closing: the member writes the last position itself
+        self.offers_exact = True  # cleared when the leader predates `exact` (a rolling upgrade: replicas first)
         self._saved_at = 0.0
 
     async def run(self) -> None:
@@ -255,9 +257,12 @@ class Follower:
             if line != b"OK\r\n":
                 raise ValueError(f"replication auth refused: {line!r}")
         pos = self.applier.pos
-        exact = b" exact" if self.applier.exact else b""
+        exact = b" exact" if self.applier.exact and self.offers_exact else b""
         writer.write(b"replicate %s %d %d%s\r\n" % (self.name.encode(), pos.epoch, pos.seq, exact))
         line = await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT)
+        if exact and line == UNKNOWN_COMMAND:
+            self.offers_exact = False
+            raise ValueError("the leader does not know 'replicate ... exact' (an older version): asking without it")
         if not line.startswith(b"STREAMING "):
             raise ValueError(f"the member at {self.target.host}:{self.target.port} does not stream: {line!r}")
 

@@ -420,3 +420,24 @@ def test_a_replica_asks_an_older_leader_again_without_exact():
 
     lines = asyncio.run(scenario())
     assert lines[:2] == [b"replicate r1 5 3 exact\r\n", b"replicate r1 5 3\r\n"]
+
+
+def test_a_snapshot_gives_up_when_more_is_logged_meanwhile_than_the_backlog_holds():
+    """The records logged during a snapshot follow its end from the backlog; once the backlog no longer
+    reaches back to the snapshot's start, the replica is dropped (it asks again) rather than left with a gap."""
+    leader, source = _leader()
+    source.backlog_limit = 2_000  # bytes: a few records
+    c = queue_verbs.connect(leader, lambda _r: None)
+    for i in range(10):
+        leader.put(c, 0, 0, 60, b"%d" % i)
+    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+
+    async def busy_meanwhile() -> bool:
+        task = asyncio.ensure_future(source.send_snapshot(session, chunk=2))
+        while not task.done():
+            leader.put(c, 0, 0, 60, b"x" * 1_000)  # each record about half the backlog
+            await asyncio.sleep(0)
+        return task.result()
+
+    assert asyncio.run(busy_meanwhile()) is False
+    assert session.closed and source.sessions == [] and source.catch_ups["snapshot"] == 0

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from broker import queue_verbs
-from broker.queue import Queue
+from broker.queue import Client, Queue
 from broker.replication import wire
 from broker.replication.follower import Applier, Position
 from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource
@@ -324,12 +324,17 @@ def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_cha
     assert _state(replica) == _as_on_a_replica(_state(leader))
 
 
-def test_a_snapshot_stops_when_leadership_is_lost_between_pieces():
+def _ten_jobs_and_a_replica() -> tuple[Queue, ReplicationSource, Client, ReplicaSession]:
+    """A leader holding ten jobs (its client too) and the session of a replica about to be snapshotted."""
     leader, source = _leader()
     c = queue_verbs.connect(leader, lambda _r: None)
     for i in range(10):
         leader.put(c, 0, 0, 60, b"%d" % i)
-    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+    return leader, source, c, ReplicaSession("r", Sink())  # type: ignore[arg-type]
+
+
+def test_a_snapshot_stops_when_leadership_is_lost_between_pieces():
+    _leader_queue, source, _c, session = _ten_jobs_and_a_replica()
 
     async def step_down_meanwhile() -> bool:
         task = asyncio.ensure_future(source.send_snapshot(session, chunk=2))
@@ -425,12 +430,8 @@ def test_a_replica_asks_an_older_leader_again_without_exact():
 def test_a_snapshot_gives_up_when_more_is_logged_meanwhile_than_the_backlog_holds():
     """The records logged during a snapshot follow its end from the backlog; once the backlog no longer
     reaches back to the snapshot's start, the replica is dropped (it asks again) rather than left with a gap."""
-    leader, source = _leader()
+    leader, source, c, session = _ten_jobs_and_a_replica()
     source.backlog_limit = 2_000  # bytes: a few records
-    c = queue_verbs.connect(leader, lambda _r: None)
-    for i in range(10):
-        leader.put(c, 0, 0, 60, b"%d" % i)
-    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
 
     async def busy_meanwhile() -> bool:
         task = asyncio.ensure_future(source.send_snapshot(session, chunk=2))

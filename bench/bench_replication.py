@@ -40,6 +40,7 @@ from spark_beanstalk.embedded import (
     member_process,
     wait_until,
 )
+from tests.helpers import ReplicaSet, member_stats
 
 bb = broker_bench()
 
@@ -47,11 +48,7 @@ CONFIGS = ("single -f 0", "single -f 50", "async -f 50", "sync1 -f 50", "sync1 -
 
 
 def _role(proc: ServerProcess) -> str:
-    try:
-        with Connection(proc.host, proc.port, timeout=2, connect_timeout=0.5) as conn:
-            return str(conn.stats().get("replication-role", ""))
-    except (BeanstalkError, OSError):
-        return ""
+    return str((member_stats(proc) or {}).get("replication-role", ""))
 
 
 def _start_config(name: str, tmp: str) -> list[ServerProcess]:
@@ -92,20 +89,6 @@ def put_throughput(opts) -> list[dict]:
     return rows
 
 
-def _stats(proc: ServerProcess) -> dict:
-    try:
-        with Connection(proc.host, proc.port, timeout=10, connect_timeout=0.5) as conn:
-            return conn.stats()
-    except (BeanstalkError, OSError):
-        return {}
-
-
-def _in_step(leader: ServerProcess, replica: ServerProcess) -> bool:
-    a, b = _stats(leader), _stats(replica)
-    return bool(a and b and b.get("replication-role") == "replica"
-                and (a["replication-epoch"], a["replication-seq"]) == (b["replication-epoch"], b["replication-seq"]))
-
-
 def _load(leader: ServerProcess, jobs: int) -> None:
     from spark_beanstalk.client import encode_put
 
@@ -134,15 +117,15 @@ def failover(opts) -> dict:
             leader = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
             for m in members:
                 if m is not leader:
-                    wait_until(lambda m=m, leader=leader: _in_step(leader, m), 120, what="replicas in step")
+                    wait_until(lambda m=m, leader=leader: ReplicaSet.caught_up(leader, m), 120, what="replicas in step")
             t_kill = time.monotonic()
             leader.kill()
             times.append(_first_put(members, t_kill))
             new = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
             other = next(m for m in members if m is not new and m is not leader)
-            wait_until(lambda new=new, other=other: _in_step(new, other), 120, what="the replica in step")
+            wait_until(lambda new=new, other=other: ReplicaSet.caught_up(new, other), 120, what="the replica in step")
             in_step.append(time.monotonic() - t_kill)
-            stats = _stats(new)
+            stats = member_stats(new) or {}
             joins.append({"backlog": stats.get("replication-joined-by-backlog"),
                           "snapshot": stats.get("replication-joined-by-snapshot")})
             print(f"  failover {len(times)}: first put {times[-1]:.2f} s, replica in step {in_step[-1]:.2f} s, "

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
-from tests.helpers import TcpProxy, etcd_process, member_process, wait_until
+from tests.helpers import ReplicaSet, TcpProxy, etcd_process, member_process, member_stats, wait_until
 
 FAILOVER_LIMIT = 3.0
 # A snapshot of 300,000 jobs in one step held the leader's loop 0.8 s on the Intel Xeon VM (150,000 already outlasted
@@ -28,22 +28,9 @@ JOBS = 300_000
 SLOWEST_PUT = 0.6  # CI runs it beside the Spark worker: room for the scheduler, still below the one-step stall
 
 
-def _stats(proc) -> dict | None:
-    try:
-        conn = Connection(proc.host, proc.port, timeout=2, connect_timeout=1)
-    except BeanstalkError:
-        return None
-    try:
-        return conn.stats()
-    except (BeanstalkError, OSError):
-        return None
-    finally:
-        conn.close()
-
-
 def _leaders(members) -> list:
     return [m for m in members if m.proc is not None and m.proc.poll() is None
-            and (_stats(m) or {}).get("replication-role") == "leader"]
+            and (member_stats(m) or {}).get("replication-role") == "leader"]
 
 
 def _one_leader(members):
@@ -53,15 +40,9 @@ def _one_leader(members):
 
 def _job_counts(member) -> tuple[int, int, int]:
     """(ready or reserved, delayed, buried): a job reserved on the leader is ready on a replica."""
-    s = _stats(member)
+    s = member_stats(member)
     assert s is not None
     return (s["current-jobs-ready"] + s["current-jobs-reserved"], s["current-jobs-delayed"], s["current-jobs-buried"])
-
-
-def _caught_up(leader, member) -> bool:
-    a, b = _stats(leader), _stats(member)
-    return bool(a and b and b["replication-role"] == "replica" and b["replication-lag-records"] == 0
-                and (a["replication-epoch"], a["replication-seq"]) == (b["replication-epoch"], b["replication-seq"]))
 
 
 class Ledger:
@@ -220,7 +201,7 @@ def _start_cluster(tmp_path, started: list, endpoints: list[str], sync: int = 1,
         if n == 0:
             wait_until(lambda: _one_leader(members[:1]), 15, what="the first member leads")
     for m in members[1:]:
-        wait_until(lambda m=m: _caught_up(members[0], m), 15, what="replicas joined")
+        wait_until(lambda m=m: ReplicaSet.caught_up(members[0], m), 15, what="replicas joined")
     return members
 
 
@@ -252,7 +233,7 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd, started):
             leader.start()  # same directory and ports: it must come back as a replica
             new = wait_until(lambda: _one_leader(members), 10, what="one leader after the restart")
             assert new is not leader
-            wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15,
+            wait_until(lambda new=new, leader=leader: ReplicaSet.caught_up(new, leader), 15,
                        what="the old leader rejoined and caught up")
     finally:
         stop.set()
@@ -261,7 +242,7 @@ def test_failover_under_load_loses_no_acknowledged_job(tmp_path, etcd, started):
     leader = wait_until(lambda: _one_leader(members), 10, what="one leader at the end")
     for m in members:
         if m is not leader:
-            wait_until(lambda m=m: _caught_up(leader, m), 15, what="every replica caught up")
+            wait_until(lambda m=m: ReplicaSet.caught_up(leader, m), 15, what="every replica caught up")
     # each restarted leader rejoined by a snapshot sent in pieces while the workers ran: same jobs everywhere
     assert len({_job_counts(m) for m in members}) == 1, [_job_counts(m) for m in members]
     for holder in holders:
@@ -329,12 +310,12 @@ def test_leader_cut_off_from_etcd_stops_acknowledging_before_a_new_leader(tmp_pa
         threads.append(threading.Thread(target=hammer, args=(new, "new"), daemon=True))
         threads[1].start()
         wait_until(lambda: acks["new"], 10, what="puts on the new leader")
-        assert (_stats(old) or {}).get("replication-role") != "leader"
+        assert (member_stats(old) or {}).get("replication-role") != "leader"
         stop.set()
         for t in threads:
             t.join(5)
         proxy.restore()  # etcd reachable again: the old leader rejoins as a replica
-        wait_until(lambda: _caught_up(new, old), 15, what="the old leader rejoined")
+        wait_until(lambda: ReplicaSet.caught_up(new, old), 15, what="the old leader rejoined")
     finally:
         stop.set()
         for t in threads:
@@ -405,23 +386,23 @@ def test_a_new_member_joining_by_snapshot_neither_stalls_nor_fences_the_leader(t
 
     members = _start_cluster(tmp_path, started, [etcd.address, etcd.address], sync=0)
     leader = members[0]
-    epoch = _stats(leader)["replication-epoch"]
+    epoch = member_stats(leader)["replication-epoch"]
     body = b"x" * 100
     with Connection(leader.host, leader.port, timeout=60) as conn:
         for _ in range(JOBS // 10_000):
             for reply in conn.pipeline([encode_put(body, 100, 0, 60)] * 10_000):
                 assert reply.status == b"INSERTED", reply
-    wait_until(lambda: _caught_up(leader, members[1]), 60, what="the replica caught up")
+    wait_until(lambda: ReplicaSet.caught_up(leader, members[1]), 60, what="the replica caught up")
     probe = PutProbe(leader)
     probe.start()
     wait_until(lambda: probe.puts >= 10, 10, what="the probe putting")
     joining = member_process(str(tmp_path / "m9"), etcd=f"http://{etcd.address}", name="m9", sync_replicas=0,
                              lease_ttl=1, stderr_path=str(tmp_path / "m9.log"))
     started.append(joining.start())
-    wait_until(lambda: _caught_up(leader, joining), 150, what="the new member caught up by snapshot")
+    wait_until(lambda: ReplicaSet.caught_up(leader, joining), 150, what="the new member caught up by snapshot")
     probe.stop.set()
     probe.join(30)
-    after = _stats(leader)
+    after = member_stats(leader)
     assert after["replication-role"] == "leader" and after["replication-epoch"] == epoch, after
     assert after["replication-joined-by-snapshot"] >= 1
     with open(leader.stderr_path, encoding="utf-8") as log:
@@ -442,24 +423,24 @@ def test_replicas_in_step_follow_a_new_leader_without_a_snapshot(tmp_path, etcd,
             assert reply.status == b"INSERTED", reply
         assert conn.delete(int(reply.args[0]))
     for m in members[1:]:
-        wait_until(lambda m=m: _caught_up(leader, m), 15, what="replicas caught up")
+        wait_until(lambda m=m: ReplicaSet.caught_up(leader, m), 15, what="replicas caught up")
     for round_ in range(2):
         leader.kill()
         new = wait_until(lambda: _one_leader(members), 10, what="a new leader")
         others = [m for m in members if m is not new and m is not leader]
         for m in others:
-            wait_until(lambda m=m, new=new: _caught_up(new, m), 15, what="the other replica follows the new leader")
+            wait_until(lambda m=m, new=new: ReplicaSet.caught_up(new, m), 15, what="the other replica follows")
         with Connection(new.host, new.port, timeout=10) as conn:
             conn.put(b"after failover %d" % round_)
         for m in others:
-            wait_until(lambda m=m, new=new: _caught_up(new, m), 15, what="the put replicated")
-        stats = _stats(new)
+            wait_until(lambda m=m, new=new: ReplicaSet.caught_up(new, m), 15, what="the put replicated")
+        stats = member_stats(new)
         assert stats["replication-joined-by-snapshot"] == 0, stats
         assert stats["replication-joined-by-backlog"] == len(others), stats
         leader.start()  # a restarted member: its position file may lag its binlog, so it gets a snapshot
-        wait_until(lambda new=new, leader=leader: _caught_up(new, leader), 15, what="the old leader rejoined")
-        assert _stats(new)["replication-joined-by-snapshot"] == 1
-        ready = [s["current-jobs-ready"] for s in map(_stats, members)]
+        wait_until(lambda new=new, leader=leader: ReplicaSet.caught_up(new, leader), 15, what="the old leader rejoined")
+        assert member_stats(new)["replication-joined-by-snapshot"] == 1
+        ready = [s["current-jobs-ready"] for s in map(member_stats, members)]
         assert ready == [4_999 + round_ + 1] * 3, ready
         leader = new
 
@@ -477,19 +458,19 @@ def test_a_member_stopped_cleanly_rejoins_a_new_leader_without_a_snapshot(tmp_pa
         for reply in conn.pipeline([encode_put(b"job %d" % i, 100, 0, 60) for i in range(1_000)]):
             assert reply.status == b"INSERTED", reply
     for m in members[1:]:
-        wait_until(lambda m=m: _caught_up(leader, m), 15, what="replicas caught up")
+        wait_until(lambda m=m: ReplicaSet.caught_up(leader, m), 15, what="replicas caught up")
     assert leader.stop() == 0
     with open(tmp_path / "m0" / "replication.json", encoding="utf-8") as fh:
         assert json.load(fh)["exact"] is True
     new = wait_until(lambda: _one_leader(members), 15, what="a new leader")
     leader.start()
-    wait_until(lambda: _caught_up(new, leader), 15, what="the old leader rejoined")
+    wait_until(lambda: ReplicaSet.caught_up(new, leader), 15, what="the old leader rejoined")
     with open(tmp_path / "m0" / "replication.json", encoding="utf-8") as fh:
         assert "exact" not in json.load(fh)  # a crash from now on may leave the binlog ahead of the file
-    stats = _stats(new)
+    stats = member_stats(new)
     assert stats["replication-joined-by-snapshot"] == 0, stats
     assert stats["replication-joined-by-backlog"] == 2, stats
-    assert [s["current-jobs-ready"] for s in map(_stats, members)] == [1_000] * 3
+    assert [s["current-jobs-ready"] for s in map(member_stats, members)] == [1_000] * 3
 
 
 def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):
@@ -502,7 +483,7 @@ def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):
         conn.put(b"wait for the pause to end")
         conn.pause_tube("held", 60)
     for m in members[1:]:
-        wait_until(lambda m=m: _caught_up(leader, m), 15, what="replicas caught up")
+        wait_until(lambda m=m: ReplicaSet.caught_up(leader, m), 15, what="replicas caught up")
     leader.kill()
     new = wait_until(lambda: _one_leader(members), 15, what="a new leader")
     with Connection(new.host, new.port, timeout=10) as conn:

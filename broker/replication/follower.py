@@ -267,9 +267,9 @@ class Follower:
             raise ValueError(f"the member at {self.target.host}:{self.target.port} does not stream: {line!r}")
 
     def _save(self, force: bool = False) -> None:
-        now = time.monotonic()
         if self.closed:
             return
+        now = time.monotonic()
         if force or now - self._saved_at >= 0.1:
             self._saved_at = now
             try:

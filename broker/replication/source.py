@@ -179,7 +179,7 @@ class ReplicationSource(QueueListener):
         the session joining the live stream.
         """
         self.sync_point()  # records not yet sent belong to the live stream of the others
-        first = self.backlog[0][0] if self.backlog else self.seq + 1
+        first = self._first_held()
         older = self._previous_epoch_after(epoch, seq) if exact and first == 1 else None
         if epoch == self.epoch and first - 1 <= seq <= self.seq:
             parts = [msg for s, msg in self.backlog if s > seq]
@@ -233,8 +233,7 @@ class ReplicationSource(QueueListener):
         session.send(b"".join([wire.message(wire.M_RECORD, epoch, 0, now, self._pause_record(tube))
                                for tube in self.queue.tube_by_name.values() if tube.pause and tube.unpause_at > clock]))
         self.sync_point()
-        first = self.backlog[0][0] if self.backlog else self.seq + 1
-        if first - 1 > start:  # more was logged meanwhile than the backlog holds
+        if self._first_held() - 1 > start:  # more was logged meanwhile than the backlog holds
             session.close()
             return False
         end = wire.message(wire.M_SNAPSHOT_END, epoch, start, time.time_ns(), wire.NEXT_ID.pack(self.queue.next_id))
@@ -242,6 +241,10 @@ class ReplicationSource(QueueListener):
         self.sessions.append(session)
         self.catch_ups["snapshot"] += 1
         return True
+
+    def _first_held(self) -> int:
+        """The oldest seq the backlog still holds (the next one when it is empty)."""
+        return self.backlog[0][0] if self.backlog else self.seq + 1
 
     def _previous_epoch_after(self, epoch: int, seq: int) -> list[bytes] | None:
         """The previous epoch's records after (epoch, seq) up to where this member was elected, or None

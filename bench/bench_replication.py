@@ -6,7 +6,8 @@
    replica, asynchronous (``-f 50``); the same with ``--sync-replicas 1`` (``-f 50`` and
    ``-f 0``). Medians over --reps.
 2. failover: etcd + 3 members (``--sync-replicas 1``, lease TTL --ttl s), holding --jobs ready
-   jobs; the leader is SIGKILLed --rounds times; each round measures kill -> first put
+   jobs; the leader is SIGKILLed (``--how stop``: SIGTERMed, a planned restart) --rounds times;
+   each round measures kill -> first put
    acknowledged by a new leader (probing every member; with --sync-replicas 1 that put waits
    for a replica to catch up with the new leader), kill -> the surviving replica in step with
    it, and how the replicas joined (backlog or snapshot); then it restarts the killed member as
@@ -14,6 +15,7 @@
 
     python bench/bench_replication.py                       # ~2 min on 2 cores
     python bench/bench_replication.py --only failover --rounds 10 --jobs 150000
+    python bench/bench_replication.py --only failover --rounds 10 --how stop
 
 Prints a markdown summary and writes bench/out/replication.json.
 """
@@ -119,7 +121,10 @@ def failover(opts) -> dict:
                 if m is not leader:
                     wait_until(lambda m=m, leader=leader: ReplicaSet.caught_up(leader, m), 120, what="replicas in step")
             t_kill = time.monotonic()
-            leader.kill()
+            if opts.how == "stop":
+                leader.stop()  # SIGTERM: a planned restart (the leader hands over before it exits)
+            else:
+                leader.kill()
             times.append(_first_put(members, t_kill))
             new = wait_until(lambda: next((m for m in members if _role(m) == "leader"), None), 30, what="a leader")
             other = next(m for m in members if m is not new and m is not leader)
@@ -138,7 +143,7 @@ def failover(opts) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"seconds": times, "median": statistics.median(times), "max": max(times), "min": min(times),
             "in_step_seconds": in_step, "in_step_median": statistics.median(in_step), "joins": joins,
-            "jobs": opts.jobs, "lease_ttl": opts.ttl}
+            "jobs": opts.jobs, "lease_ttl": opts.ttl, "how": opts.how}
 
 
 def _first_put(members: list[ServerProcess], t_kill: float) -> float:
@@ -166,11 +171,12 @@ def markdown(res: dict) -> str:
     if "failover" in res:
         f = res["failover"]
         lines.append("")
-        lines.append(f"failover with {f['jobs']:,} jobs (kill -> first acknowledged put, lease TTL {f['lease_ttl']} s, "
-                     f"{len(f['seconds'])} rounds): "
+        how = "SIGTERM" if f.get("how") == "stop" else "kill"
+        lines.append(f"failover with {f['jobs']:,} jobs ({how} -> first acknowledged put, "
+                     f"lease TTL {f['lease_ttl']} s, {len(f['seconds'])} rounds): "
                      f"min {f['min']:.2f} s, median {f['median']:.2f} s, max {f['max']:.2f} s; "
                      + ", ".join(f"{t:.2f}" for t in f["seconds"]))
-        lines.append(f"kill -> the other replica in step with the new leader: median {f['in_step_median']:.2f} s; "
+        lines.append(f"{how} -> the other replica in step with the new leader: median {f['in_step_median']:.2f} s; "
                      + ", ".join(f"{t:.2f}" for t in f["in_step_seconds"]))
         lines.append("how the replicas joined each new leader: "
                      + ", ".join(f"{j['backlog']} backlog / {j['snapshot']} snapshot" for j in f["joins"]))
@@ -186,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--ttl", type=int, default=1)
     p.add_argument("--jobs", type=int, default=0, help="ready jobs in the queue during the failovers")
+    p.add_argument("--how", choices=("kill", "stop"), default="kill",
+                   help="end the leader with SIGKILL (a crash) or SIGTERM (a planned restart)")
     p.add_argument("--out", default=str(OUT / "replication.json"))
     opts = p.parse_args(argv)
     only = set(opts.only.split(","))

@@ -61,32 +61,41 @@ _FLUSH_BYTES: Final = 65536
 class FlowControl:
     """Back-pressure of one connection, both ways.
 
-    Reading stops for two independent reasons: input piling up behind a blocked reserve
-    (``backlog_paused``), and the client not reading its replies (``write_paused``, from
-    the transport's pause_writing). Reading resumes only when neither holds. A client that
+    Reading stops for three independent reasons: input piling up behind a blocked reserve
+    (``backlog_paused``), the client not reading its replies (``write_paused``, from
+    the transport's pause_writing), and the server shutting down (``stopped``, for good).
+    Reading resumes only when none holds. A client that
     stays paused past --slow-reader-timeout, or leaves more than --max-output-bytes unread,
     is to be closed (the connection decides how).
     """
 
-    __slots__ = ("backlog_paused", "limits", "stall_timer", "transport", "write_paused")
+    __slots__ = ("backlog_paused", "limits", "stall_timer", "stopped", "transport", "write_paused")
 
     def __init__(self, transport: asyncio.BaseTransport, limits: Limits) -> None:
         self.transport: Any = transport  # a Transport, or a test's stand-in with the same methods
         self.limits = limits
         self.backlog_paused = False
         self.write_paused = False
+        self.stopped = False
         self.stall_timer: asyncio.TimerHandle | None = None
+
+    def stop(self) -> None:
+        """Read nothing more from this client (the server is shutting down)."""
+        if not self.stopped:
+            self.stopped = True
+            if not self.backlog_paused and not self.write_paused:
+                self.transport.pause_reading()
 
     def pause_for_backlog(self) -> None:
         if not self.backlog_paused:
             self.backlog_paused = True
-            if not self.write_paused:
+            if not self.write_paused and not self.stopped:
                 self.transport.pause_reading()
 
     def end_backlog(self) -> None:
         if self.backlog_paused:
             self.backlog_paused = False
-            if not self.write_paused:
+            if not self.write_paused and not self.stopped:
                 self.transport.resume_reading()
 
     def pause_writing(self, on_stall: Callable[[], None]) -> None:
@@ -96,19 +105,21 @@ class FlowControl:
         event, so one timer handle per stalled connection).
         """
         self.write_paused = True
-        if not self.backlog_paused:
+        if not self.backlog_paused and not self.stopped:
             self.transport.pause_reading()
         timeout = self.limits.slow_reader_timeout
         if timeout > 0 and self.stall_timer is None:
             self.stall_timer = asyncio.get_running_loop().call_later(timeout, on_stall)
 
     def resume_writing(self, closing: bool) -> bool:
-        """The client caught up; True when reading resumed (buffered commands may run)."""
+        """The client caught up; True when the commands it already sent may run (and reading resumed,
+        unless the server is shutting down)."""
         self.cancel_stall()
         self.write_paused = False
         if self.backlog_paused or closing:
             return False
-        self.transport.resume_reading()
+        if not self.stopped:
+            self.transport.resume_reading()
         return True
 
     def cancel_stall(self) -> None:
@@ -419,6 +430,11 @@ class BrokerConnection(asyncio.Protocol):
                                        f"{self.transport.get_write_buffer_size()} reply bytes unread")
             self.closing = True
             self.transport.abort()  # connection_lost releases its reservations
+
+    def stop_reading(self) -> None:
+        """The server is shutting down: read no more commands. Those already read are still answered."""
+        if not self.closing and not self.refused:
+            self.flow.stop()
 
     def close(self) -> None:
         """Close after the replies already produced (held ones included) have been written."""

@@ -14,7 +14,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import logs
@@ -57,6 +57,8 @@ class BrokerServer:
         self.connections = self.state.connections
         self.extra_collectors: list[Collector] = []  # more /metrics (replication's)
         self.servers: list[asyncio.Server] = []
+        # replication: runs at shutdown after clients stop being read, before they are closed
+        self.before_close: Callable[[], Awaitable[None]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -160,6 +162,10 @@ class BrokerServer:
     async def close(self) -> None:
         for server in self.servers:
             server.close()
+        if self.before_close is not None:
+            for conn in list(self.connections):
+                conn.stop_reading()
+            await self.before_close()
         for conn in list(self.connections):
             conn.close()
         for server in self.servers:

@@ -238,3 +238,48 @@ def test_input_behind_a_blocked_reserve_pauses_reading_until_served() -> None:
         out = wt.take()
         assert out.startswith(b"RESERVED 1 2\r\nhi\r\nUSING default\r\n") and wt.reading
     run(body)
+
+
+def test_a_stopped_connection_reads_nothing_more_whatever_resumes() -> None:
+    """Shutdown stops reading clients for good (a replicated leader hands its records over meanwhile):
+    neither the client catching up on its replies nor a served reserve may start reading again; the
+    commands they had sent before are still answered."""
+    async def body() -> None:
+        server = make_server()
+        waiter, wt = connect(server)
+        slow, st = connect(server)
+        producer, pt = connect(server)
+        waiter.data_received(b"reserve\r\n")
+        waiter.data_received(b"list-tube-used\r\n" * (MAX_BUFFER_WHILE_WAITING // 16 + 2))
+        assert not wt.reading
+        slow.pause_writing()
+        slow.data_received(b"list-tube-used\r\n" * 600)
+        answered = st.take().count(b"USING default\r\n")
+        for conn in (waiter, slow):
+            conn.stop_reading()
+        slow.resume_writing()
+        producer.data_received(b"put 0 0 60 2\r\nhi\r\n")  # serves the blocked reserve
+        assert pt.take() == b"INSERTED 1\r\n"
+        await settle()
+        # what they had sent before the stop is answered; nothing more is read
+        out = wt.take()
+        assert out.startswith(b"RESERVED 1 2\r\nhi\r\nUSING default\r\n") and not wt.reading
+        assert answered + st.take().count(b"USING default\r\n") == 600 and not st.reading
+    run(body)
+
+
+def test_close_runs_the_hook_with_clients_unread_then_closes_them() -> None:
+    async def body() -> None:
+        server = make_server()
+        conn, t = connect(server)
+        conn.data_received(b"put 0 0 60 1\r\nx\r\n")
+        seen: list[tuple[bool, bool]] = []
+
+        async def hook() -> None:
+            seen.append((t.reading, t.closed))
+
+        server.before_close = hook
+        await server.close()
+        assert seen == [(False, False)] and t.closed
+        assert t.take() == b"INSERTED 1\r\n"
+    run(body)

@@ -60,13 +60,15 @@ class EtcdLeadership:
                               "repl": f"{repl[0]}:{repl[1]}" if repl else ""}).encode()
         self._last_error = ""
         self._member_loop: asyncio.AbstractEventLoop | None = None
+        self._resigning = asyncio.Event()
+        self._ended = asyncio.Event()
 
     async def run(self) -> None:
         self._member_loop = asyncio.get_running_loop()
         keeper = LeaseKeeper(self)
         keeper.start()
         try:
-            while True:
+            while not self._resigning.is_set():
                 try:
                     if not self.lease:
                         await self._register()
@@ -78,10 +80,21 @@ class EtcdLeadership:
                     self._last_error = str(exc)
                 except Exception:  # a bug must not end elections for good: log it, go on
                     log.exception("leadership step failed")
-                await asyncio.sleep(POLL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._resigning.wait(), POLL)
+            await self._drop_lease()
         finally:
             keeper.stop()
             await self.etcd.close()
+            self._ended.set()
+
+    async def resign(self, timeout: float) -> None:
+        """The member is shutting down: end the polls and give the lease back. The leader key and the
+        member key go with it, so the replicas elect one of them at their next poll instead of after
+        the lease lapses (they would wait up to --lease-ttl for a leader that is gone)."""
+        self._resigning.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended.wait(), timeout)
 
     # -- the lease -------------------------------------------------------------------------
     async def _register(self) -> None:

@@ -45,10 +45,12 @@ from broker.replication.follower import (
 from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource, SyncHold
 
 if TYPE_CHECKING:
+    from broker.replication.election import EtcdLeadership
     from broker.server import BrokerServer
 
 log = logging.getLogger("broker.replication")
 TICK = 0.05
+HAND_OFF_POLL = 0.005
 CHANGES = frozenset({"put", "reserve", "reserve-with-timeout", "reserve-job", "delete", "release", "bury",
                      "touch", "kick", "kick-job", "pause-tube"})
 NOT_LEADER = b"NOT_LEADER\r\n"
@@ -110,6 +112,7 @@ class Member:
         self._tasks: list[asyncio.Task[Any]] = []
         self._listener: asyncio.base_events.Server | None = None
         self.binlog: QueueListener | None = None  # this member's own binlog (member_listener)
+        self.leadership: EtcdLeadership | None = None
 
     # -- installation --------------------------------------------------------------------
     def install(self, server: BrokerServer) -> None:
@@ -135,10 +138,12 @@ class Member:
         self._tasks.append(loop.create_task(self._tick()))
         if self.config.listen is not None:
             self._tasks.append(loop.create_task(self._serve()))
+        server.before_close = self.hand_off
         if self.config.etcd is not None:
             from broker.replication.election import EtcdLeadership
 
-            self._tasks.append(loop.create_task(EtcdLeadership(self).run()))
+            self.leadership = EtcdLeadership(self)
+            self._tasks.append(loop.create_task(self.leadership.run()))
         elif self.config.replica_of is not None:
             self.follow("primary", *self.config.replica_of)
         else:
@@ -228,6 +233,31 @@ class Member:
             task.cancel()
             # bounded: a cancellation swallowed by wait_for must not stall the election; the flag ends it
             await asyncio.wait({task}, timeout=2.0)
+
+    async def hand_off(self) -> None:
+        """SIGTERM while leading: the replicas get every record, then the lease goes back to etcd.
+
+        The server reads no client any more (BrokerServer.close). Waiting until every connected
+        replica acknowledged the last record lets the replies held for --sync-replicas go out, and
+        leaves this member exactly where its replicas are: after a restart it follows the next leader
+        from the backlog, not by snapshot. Giving up the lease lets a replica lead at its next poll.
+        Bounded by --lease-ttl: a replica that does not keep up is left behind, as on a crash. A replica
+        only gives its lease back: an election waits for every member that holds one.
+        """
+        self.no_candidacy_until = math.inf
+        if self.role == "leader" and self.server is not None:
+            deadline = min(time.monotonic() + self.config.lease_ttl, self.lease_until)
+            listener = self.server.queue.listener
+            while True:
+                listener.sync_point()  # what the last commands logged goes out now
+                behind = sum(1 for s in self.source.sessions if not s.closed and s.acked < self.source.seq)
+                if not behind or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(HAND_OFF_POLL)
+            self.step_down(f"shutting down ({behind} replica(s) behind)" if behind
+                           else "shutting down, replicas in step")
+        if self.leadership is not None:  # a replica too: an election waits for every member that holds a lease
+            await self.leadership.resign(self.config.lease_ttl)
 
     def shutdown(self) -> None:
         """The server is closing: stop every task before the binlog closes."""

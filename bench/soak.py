@@ -27,6 +27,8 @@ puts to whichever member leads. Its chaos:
 
   kill-leader   SIGKILL the leader; after 0.5-5 s start it again (it rejoins as a replica)
   kill-replica  the same for a member that does not lead
+  stop-leader   SIGTERM the leader (a planned restart: it hands over first); start it again 0.5-5 s later
+  stop-replica  the same for a member that does not lead
   requery       as above
 
 After ``--minutes`` the chaos stops. The read side then stops the producer, waits (``--drain-timeout``)
@@ -101,7 +103,7 @@ from tests.helpers import (  # noqa: E402
 
 CHAOS = {  # action -> weight
     "single": {"kill": 4, "cut": 3, "partition": 1, "requery": 2},
-    "cluster": {"kill-leader": 4, "kill-replica": 2, "requery": 2},
+    "cluster": {"kill-leader": 4, "kill-replica": 2, "stop-leader": 2, "stop-replica": 1, "requery": 2},
 }
 TRIGGER = "500 milliseconds"
 
@@ -225,16 +227,20 @@ class Soak:
             self.proxy.restore()
         elif action == "requery":
             self.restart_query(failed=False)
-        elif action in ("kill-leader", "kill-replica"):
-            self.kill_member(action == "kill-leader")
+        elif action in ("kill-leader", "kill-replica", "stop-leader", "stop-replica"):
+            self.end_member(action.endswith("-leader"), crash=action.startswith("kill"))
 
-    def kill_member(self, leader: bool) -> None:
-        """SIGKILL the leader (or another member), and start it again a little later."""
+    def end_member(self, leader: bool, crash: bool) -> None:
+        """SIGKILL (crash) or SIGTERM (a planned restart) the leader or another member; start it again a
+        little later."""
         assert self.rs is not None
         current = wait_until(self.rs.leader, 30, what="a leader")
         others = [m for m in self.rs.members if m is not current]
         victim = current if leader else self.rng.choice(others)
-        victim.kill()
+        if crash:
+            victim.kill()
+        else:
+            victim.stop()
         time.sleep(self.rng.uniform(0.5, 5))
         victim.restart()
 

@@ -264,6 +264,13 @@ class ReplicaSet:
         leader.kill()
         return leader
 
+    def stop_leader(self) -> ServerProcess:
+        """SIGTERM the leader (a planned restart: it hands over first) and wait for it to exit; returns it."""
+        leader = self.leader()
+        assert leader is not None, "no single leader to stop"
+        assert leader.stop() == 0
+        return leader
+
     def stop(self) -> None:
         for m in self.members:
             m.stop()

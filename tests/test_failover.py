@@ -535,7 +535,7 @@ def test_a_stopped_replica_does_not_hold_up_the_next_election(tmp_path, etcd, st
     took = _first_put_after(members, time.monotonic(), Ledger(), "demoted")
     print(f"\ndemote -> first acknowledged put: {took:.2f} s")
     assert _one_leader(members) is survivor
-    assert took < 2.0, took
+    assert took < 3.0, took  # 0.13 s here; 10.09 s before
 
 
 def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):

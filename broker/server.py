@@ -165,7 +165,10 @@ class BrokerServer:
         if self.before_close is not None:
             for conn in list(self.connections):
                 conn.stop_reading()
-            await self.before_close()
+            try:
+                await self.before_close()
+            except Exception:  # the clients and the binlog must still close
+                log.exception("the shutdown hook failed")
         for conn in list(self.connections):
             conn.close()
         for server in self.servers:

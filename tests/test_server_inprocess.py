@@ -13,6 +13,7 @@ from typing import Any
 
 from broker.connection import MAX_BUFFER_WHILE_WAITING, BrokerConnection
 from broker.limits import Limits
+from broker.queue import QueueListener
 from broker.server import BrokerServer, ServerConfig
 
 
@@ -282,4 +283,25 @@ def test_close_runs_the_hook_with_clients_unread_then_closes_them() -> None:
         await server.close()
         assert seen == [(False, False)] and t.closed
         assert t.take() == b"INSERTED 1\r\n"
+    run(body)
+
+
+def test_a_failing_close_hook_still_closes_the_clients_and_the_listener() -> None:
+    """The replication hook may fail (a bug, an etcd client error): the binlog must close all the same."""
+    async def body() -> None:
+        closed: list[bool] = []
+
+        class Listener(QueueListener):
+            def close(self) -> None:
+                closed.append(True)
+
+        server = BrokerServer(ServerConfig(limits=Limits()), Listener())
+        conn, t = connect(server)
+
+        async def hook() -> None:
+            raise RuntimeError("hand-off failed")
+
+        server.before_close = hook
+        await server.close()
+        assert t.closed and closed == [True]
     run(body)

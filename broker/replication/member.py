@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("broker.replication")
 TICK = 0.05
 HAND_OFF_POLL = 0.005
+HAND_OFF_MAX = 5.0  # a SIGTERM waits at most this (or --lease-ttl, if shorter) for replicas, then for etcd
 CHANGES = frozenset({"put", "reserve", "reserve-with-timeout", "reserve-job", "delete", "release", "bury",
                      "touch", "kick", "kick-job", "pause-tube"})
 NOT_LEADER = b"NOT_LEADER\r\n"
@@ -241,12 +242,12 @@ class Member:
         replica acknowledged the last record lets the replies held for --sync-replicas go out, and
         leaves this member exactly where its replicas are: after a restart it follows the next leader
         from the backlog, not by snapshot. Giving up the lease lets a replica lead at its next poll.
-        Bounded by --lease-ttl: a replica that does not keep up is left behind, as on a crash. A replica
+        Bounded by --lease-ttl (at most 5 s): a replica that does not keep up is left behind, as on a crash. A replica
         only gives its lease back: an election waits for every member that holds one.
         """
         self.no_candidacy_until = math.inf
         if self.role == "leader" and self.server is not None:
-            deadline = min(time.monotonic() + self.config.lease_ttl, self.lease_until)
+            deadline = min(time.monotonic() + min(self.config.lease_ttl, HAND_OFF_MAX), self.lease_until)
             listener = self.server.queue.listener
             while True:
                 listener.sync_point()  # what the last commands logged goes out now
@@ -257,7 +258,7 @@ class Member:
             self.step_down(f"shutting down ({behind} replica(s) behind)" if behind
                            else "shutting down, replicas in step")
         if self.leadership is not None:  # a replica too: an election waits for every member that holds a lease
-            await self.leadership.resign(self.config.lease_ttl)
+            await self.leadership.resign(min(self.config.lease_ttl, HAND_OFF_MAX))
 
     def shutdown(self) -> None:
         """The server is closing: stop every task before the binlog closes."""

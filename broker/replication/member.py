@@ -236,7 +236,7 @@ class Member:
             await asyncio.wait({task}, timeout=2.0)
 
     async def hand_off(self) -> None:
-        """SIGTERM while leading: the replicas get every record, then the lease goes back to etcd.
+        """SIGTERM: a leader hands its last records to the replicas, then every member gives its lease back.
 
         The server reads no client any more (BrokerServer.close). Waiting until every connected
         replica acknowledged the last record lets the replies held for --sync-replicas go out, and

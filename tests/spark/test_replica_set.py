@@ -98,9 +98,10 @@ def _total_jobs(rs: ReplicaSet, tube: str) -> int:
         return 0
 
 
-def _kill_when(rs: ReplicaSet, at_least: int, killed: list[Any], planned: bool = False) -> None:
+def _end_leader_when(rs: ReplicaSet, at_least: int, ended: list[Any], planned: bool = False) -> None:
+    """Once `at_least` rows are in the tube, SIGKILL the leader (SIGTERM if `planned`); record it in `ended`."""
     wait_until(lambda: _total_jobs(rs, "w") >= at_least, 120, interval=0.01, what=f"{at_least} rows put")
-    killed.append(rs.stop_leader() if planned else rs.kill_leader())
+    ended.append(rs.stop_leader() if planned else rs.kill_leader())
 
 
 def test_writer_puts_through_a_leader_failover(spark, replica_set):
@@ -110,7 +111,7 @@ def test_writer_puts_through_a_leader_failover(spark, replica_set):
     rows, partitions, window = 3000, 2, 16
     df = spark.range(rows, numPartitions=partitions).selectExpr("cast(id as string) as body")
     killed: list[Any] = []
-    killer = threading.Thread(target=_kill_when, args=(rs, rows // 3, killed), daemon=True)
+    killer = threading.Thread(target=_end_leader_when, args=(rs, rows // 3, killed), daemon=True)
     killer.start()
     started = time.monotonic()
     summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window, retryInterval=0.2).write(df)
@@ -138,7 +139,7 @@ def test_writer_puts_every_row_once_through_a_planned_leader_restart(spark, repl
     rows, partitions, window = 6000, 2, 64
     df = spark.range(rows, numPartitions=partitions).selectExpr("cast(id as string) as body")
     stopped: list[Any] = []
-    stopper = threading.Thread(target=_kill_when, args=(rs, rows // 3, stopped, True), daemon=True)
+    stopper = threading.Thread(target=_end_leader_when, args=(rs, rows // 3, stopped, True), daemon=True)
     stopper.start()
     summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window, retryInterval=0.2).write(df)
     stopper.join(30)

@@ -31,9 +31,9 @@ GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 # The modules setup.py compiles (the per-command path, and the binlog's per-record work:
 # its format, and recovery, which restores a million jobs at start); everything else stays interpreted.
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.jobtable", "broker.model", "broker.queue",
-                               "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.connection",
-                               "broker.stats", "broker.binlog_format", "broker.queue_restore", "broker.binlog_recovery",
-                               "broker.limits")
+                               "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.busypoll",
+                               "broker.connection", "broker.stats", "broker.binlog_format", "broker.queue_restore",
+                               "broker.binlog_recovery", "broker.limits")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 

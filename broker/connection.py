@@ -148,6 +148,7 @@ class BrokerConnection(asyncio.Protocol):
         "idle_sweeps",
         "out",
         "peer",
+        "poll",
         "queue",
         "refused",
         "state",
@@ -175,6 +176,7 @@ class BrokerConnection(asyncio.Protocol):
         self.idle_sweeps = 0
         self.peer = "?"
         self.decoder = state.new_decoder(auth_enabled=not self.authed)
+        self.poll = state.busy_poll
 
     # -- asyncio callbacks ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -208,6 +210,12 @@ class BrokerConnection(asyncio.Protocol):
         if self.closing:
             return
         self.activity = True
+        poll = self.poll
+        if poll is not None:  # BusyPoll.note_input, inlined for the common case
+            if poll.spinning:
+                poll.fresh = True
+            else:
+                poll.note_input()
         if self.authed and not self.client.waiting:
             # The fast path: one command decoded straight from its packet.
             cmd = self.decoder.parse_packet(data)

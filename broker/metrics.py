@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 
 from broker import _build
+from broker.busypoll import BusyPoll
 from broker.limits import REASONS
 from broker.queue import Queue
 
@@ -36,6 +37,9 @@ class HasQueue(Protocol):
 
     @property
     def extra_collectors(self) -> list[Collector]: ...  # e.g. replication's
+
+    @property
+    def busy_poll(self) -> BusyPoll | None: ...  # None: --busy-poll-us 0
 
 
 class BrokerCollector:
@@ -71,6 +75,14 @@ class BrokerCollector:
         for reason in REASONS:
             refusals.add_metric([reason], queue.refusals.counts[reason])
         yield refusals
+        poll = self.server.busy_poll
+        if poll is not None:
+            yield CounterMetricFamily("beanstalk_busy_polls", "Busy polls started after a command (--busy-poll-us)",
+                                      value=poll.polls)
+            yield CounterMetricFamily("beanstalk_busy_polls_caught", "Busy polls that caught a next command",
+                                      value=poll.caught_total())
+            yield CounterMetricFamily("beanstalk_busy_poll_idle_seconds",
+                                      "CPU time spent busy polling with nothing to do", value=poll.spun_ns / 1e9)
         binlog = queue.listener.stats()
         if "bytes" in binlog:
             yield GaugeMetricFamily("beanstalk_binlog_bytes", "Binlog size on disk", value=binlog["bytes"])

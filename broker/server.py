@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import logs
+from broker.busypoll import BusyPoll
 from broker.connection import BrokerConnection
 from broker.queue import Queue, QueueListener
 from broker.state import LoopTimer, ServerConfig, ServerState
@@ -63,6 +64,11 @@ class BrokerServer:
         self._stopped: asyncio.Event | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
 
+    @property
+    def busy_poll(self) -> BusyPoll | None:
+        """The busy poll of the client connections, once started (None with --busy-poll-us 0)."""
+        return self.state.busy_poll
+
     def is_leader(self) -> bool:
         """For /readyz and load balancers: False only on a replicated member that does not lead now."""
         gate = self.state.write_gate
@@ -84,6 +90,8 @@ class BrokerServer:
         main_ctx = tls_ctx if tls is not None and tls.port is None else None
         listen = config.listen
         state = self.state
+        if config.busy_poll_us > 0:
+            state.busy_poll = BusyPoll(config.busy_poll_us, loop, self.clock)
 
         def factory() -> BrokerConnection:
             return BrokerConnection(state)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from broker import protocol as p
 from broker import queue_timers, security
+from broker.busypoll import DEFAULT_WINDOW_US, BusyPoll
 from broker.limits import OUTPUT_HIGH_WATER, Limits
 from broker.queue import Queue
 from broker.timers import NEVER
@@ -33,6 +34,7 @@ class ServerConfig:
     metrics: str | None = None  # "addr:port" of the HTTP listener (served by broker/http.py, not here)
     extended_stats: bool = False  # our extra stats keys (beanstalkd's own stay byte-exact without it)
     binlog_max_size: int = 10485760  # -s: shown in stats even without -b, as beanstalkd does
+    busy_poll_us: int = DEFAULT_WINDOW_US  # 0: sleep as soon as no input is ready (see broker.busypoll)
 
 
 class LoopTimer:
@@ -97,6 +99,7 @@ class ServerState:
     __slots__ = (
         "_held",
         "_held_bytes",
+        "busy_poll",
         "config",
         "connections",
         "descriptor_cap",
@@ -125,6 +128,7 @@ class ServerState:
         # leader; hold acknowledging replies until enough replicas have their records.
         self.write_gate: WriteGate | None = None
         self.replication_hold: ReplicationHold | None = None
+        self.busy_poll: BusyPoll | None = None  # set by the server once its loop runs (--busy-poll-us)
 
     def new_decoder(self, auth_enabled: bool) -> p.Decoder:
         return p.Decoder(self.config.max_job_size, auth_enabled=auth_enabled, line_cache=self.line_cache)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,8 @@ __all__ = [
     "member_process",
     "put_bodies",
     "report",
+    "sample",
+    "scrape",
     "shut_down",
     "start_query",
     "start_server",
@@ -376,3 +379,27 @@ def wait_delivered(sink: BatchFiles, expected: set[tuple[str, str]], procs: list
         return expected <= set(sink.seen()) and all(left_in(p, "t") == 0 for p in procs)
 
     wait_until(done, timeout, interval=0.25, what="every job in the sink and none left ready or reserved")
+
+
+def scrape(addr: str) -> tuple[dict[str, str], dict[str, list[tuple[dict[str, str], float]]]]:
+    """A broker's /metrics at ADDR: metric family types by name, and samples by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    types: dict[str, str] = {}
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name] = fam.type
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return types, samples
+
+
+def sample(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float | None:
+    """The value of the first sample NAME whose labels include LABELS (None: no such sample)."""
+    for lab, value in samples.get(name, []):
+        if all(lab.get(k) == v for k, v in labels.items()):
+            return value
+    return None

@@ -93,6 +93,20 @@ def test_broker_bench_script_one_row(tmp_path):
     assert "load average" in res.stdout
 
 
+def test_bench_busypoll_one_gap_each_server():
+    res = subprocess.run([sys.executable, str(BENCH / "bench_busypoll.py"), "--gaps", "0", "--seconds", "0.3"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads((BENCH / "out" / "busypoll.json").read_text())["rows"]
+    assert [r["server"] for r in rows] == ["beanstalkd", "ours", "ours, no poll"]
+    for r in rows:
+        assert r["commands"] > 100 and 0 < r["server_cpu_share"] < 1.5, r
+    assert "| 0 us | ours, no poll |" in res.stdout and "load average" in res.stdout
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_busypoll.py"), "--gaps", "soon"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "whole microseconds" in bad.stderr
+
+
 def test_broker_bench_floor_missing_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--servers", "floor",
                           "--floor", str(tmp_path / "nowhere.py"), "--workloads", "put", "--conns", "1",

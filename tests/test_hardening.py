@@ -29,13 +29,12 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process, wait_for_port
-from tests.helpers import ServerProcess, broker_process, free_port, wait_until
+from tests.helpers import ServerProcess, broker_process, free_port, sample, scrape, wait_until
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -950,28 +949,6 @@ def test_operator_cli_speaks_tls_and_auth_if_available(start_broker, clients, ce
 # ----------------------------------------------------------------------------------------
 # metrics, config file, logging
 # ----------------------------------------------------------------------------------------
-def scrape(addr: str) -> tuple[dict[str, str], dict[str, list[tuple[dict, float]]]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    types: dict[str, str] = {}
-    samples: dict[str, list[tuple[dict, float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        types[fam.name] = fam.type
-        for s in fam.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
-    return types, samples
-
-
-def sample(samples, name: str, **labels) -> float | None:
-    for lab, value in samples.get(name, []):
-        if all(lab.get(k) == v for k, v in labels.items()):
-            return value
-    return None
-
-
 def test_metrics_endpoint(start_broker, clients, tmp_path):
     mport = free_port()
     token_file = tmp_path / "token"

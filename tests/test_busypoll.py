@@ -1,0 +1,173 @@
+"""Busy polling after a command (``--busy-poll-us``, broker/busypoll.py).
+
+In-process, over a loop stand-in and a clock the test moves: when a poll starts, goes on,
+ends, and how it backs off after polls that caught nothing. Then real broker processes: a
+client that sends one command at a time is caught by the poll, a client slower than the
+window turns polling off almost at once, and ``--busy-poll-us 0`` never polls.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from broker.busypoll import MAX_WINDOW_US, BusyPoll
+from tests.helpers import broker_process, free_port, sample, scrape, wait_for_port
+
+
+class FakeLoop:
+    """call_soon recorded; ``turn()`` runs what one loop iteration would."""
+
+    def __init__(self) -> None:
+        self.soon: list[Callable[[], None]] = []
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self.soon.append(callback)
+
+    def turn(self) -> None:
+        callbacks, self.soon = self.soon, []
+        for callback in callbacks:
+            callback()
+
+
+class Rig:
+    def __init__(self, window_us: int = 50) -> None:
+        self.now = 1_000_000
+        self.yields = 0
+        self.loop = FakeLoop()
+        self.poll = BusyPoll(window_us, self.loop, lambda: self.now, self._yield)  # type: ignore[arg-type]
+
+    def _yield(self) -> None:
+        self.yields += 1
+
+    def idle_until_end(self, step_us: int = 10) -> int:
+        """Loop iterations with no input until the poll ends; how many ran."""
+        turns = 0
+        while self.poll.spinning:
+            self.now += step_us * 1000
+            self.loop.turn()
+            turns += 1
+            assert turns < 10_000
+        return turns
+
+
+def test_a_command_starts_a_poll_that_ends_a_window_after_the_last_command() -> None:
+    rig = Rig(window_us=50)
+    poll = rig.poll
+    poll.note_input()
+    assert poll.spinning and poll.polls == 1 and len(rig.loop.soon) == 1
+    # commands keep coming 30 us apart: the poll goes on, each one pushes the deadline
+    for _ in range(5):
+        rig.now += 30_000
+        poll.note_input()
+        rig.loop.turn()
+        assert poll.spinning
+    assert poll.polls == 1 and poll.caught_total() == 1
+    turns = rig.idle_until_end(step_us=10)
+    assert turns == 5  # 50 us of idle turns, 10 us each
+    assert rig.yields == 4  # every idle turn but the last gives the CPU away
+    assert poll.caught == 1 and poll.misses == 0 and poll.skip == 0
+    assert poll.spun_ns == 50_000
+    assert rig.loop.soon == []  # nothing left scheduled: the loop may sleep
+
+
+def test_polls_that_catch_nothing_back_off_exponentially_and_one_catch_resets() -> None:
+    rig = Rig(window_us=50)
+    poll = rig.poll
+    started: list[int] = []
+    for command in range(3000):
+        before = poll.polls
+        poll.note_input()
+        if poll.polls > before:
+            started.append(command)
+        rig.idle_until_end()
+    # a poll after command 0, then after skipping 1, 3, 7, ... commands, capped at 1,023
+    assert started[:8] == [0, 2, 6, 14, 30, 62, 126, 254]
+    gaps = [b - a for a, b in zip(started, started[1:], strict=False)]
+    assert max(gaps) == 1024 and gaps[-1] == 1024
+    assert poll.caught == 0 and len(started) == poll.polls <= 13
+    # the next poll catches a command: polling is back at full rate
+    while not poll.spinning:
+        poll.note_input()
+    rig.now += 20_000
+    poll.note_input()
+    rig.loop.turn()
+    rig.idle_until_end()
+    assert poll.caught == 1 and poll.misses == 0 and poll.skip == 0
+    poll.note_input()
+    assert poll.spinning
+
+
+def test_the_window_is_checked() -> None:
+    for bad in (0, -1, MAX_WINDOW_US + 1):
+        with pytest.raises(ValueError, match="busy-poll window"):
+            BusyPoll(bad, FakeLoop(), lambda: 0)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------
+# real broker processes
+# ----------------------------------------------------------------------------------------
+@pytest.fixture
+def polled_broker(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, str]]:
+    """A broker with /metrics and the given extra flags; yields a connected client socket and the HTTP address."""
+    http = f"127.0.0.1:{free_port()}"
+    proc = broker_process(extra_args=["--http", http, *getattr(request, "param", [])]).start()
+    try:
+        wait_for_port("127.0.0.1", int(http.rsplit(":", 1)[1]), 10, proc.proc)
+        with socket.create_connection((proc.host, proc.port), timeout=10) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            yield sock, http
+    finally:
+        proc.stop()
+
+
+def _put(sock: socket.socket) -> None:
+    sock.sendall(b"put 0 0 60 1\r\nx\r\n")
+    reply = b""
+    while not reply.endswith(b"\r\n"):
+        chunk = sock.recv(64)
+        assert chunk, "the broker hung up"
+        reply += chunk
+    assert reply.startswith(b"INSERTED "), reply
+
+
+def _poll_counts(http: str) -> tuple[float | None, float | None, float | None]:
+    _, samples = scrape(http)
+    return (sample(samples, "beanstalk_busy_polls_total"), sample(samples, "beanstalk_busy_polls_caught_total"),
+            sample(samples, "beanstalk_busy_poll_idle_seconds_total"))
+
+
+def test_a_client_sending_one_command_at_a_time_is_caught_by_the_poll(polled_broker) -> None:
+    sock, http = polled_broker
+    for _ in range(3000):
+        _put(sock)
+    polls, caught, idle = _poll_counts(http)
+    assert polls is not None and caught is not None and idle is not None, "no busy-poll metrics"
+    # the client answers each reply within the 50 us window most of the time: polls go on
+    # across many commands instead of one per command
+    assert caught >= 1
+    assert polls < 1500, f"{polls} polls for 3000 commands: the poll did not carry over"
+
+
+def test_a_client_slower_than_the_window_turns_polling_off(polled_broker) -> None:
+    sock, http = polled_broker
+    for _ in range(300):
+        _put(sock)
+        time.sleep(0.002)  # the traffic under test: a command every ~2 ms, 40x the window
+    polls, caught, idle = _poll_counts(http)
+    assert polls is not None and caught is not None and idle is not None
+    # polls after command 0, 2, 6, ..., 254: eight (more if the machine stalls the broker
+    # for 2 ms mid-poll, and a catch resets the back-off), where a poll per command is 300
+    assert polls <= 30, f"{polls} polls: polling did not back off"
+    assert caught <= 5
+    assert idle < 0.05
+
+
+@pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "0"]], indirect=True)
+def test_busy_poll_us_0_never_polls(polled_broker) -> None:
+    sock, http = polled_broker
+    for _ in range(100):
+        _put(sock)
+    assert _poll_counts(http) == (None, None, None)

@@ -6,7 +6,7 @@ time before the next one (a busy loop for gaps under 2 ms, as a worker computing
 for longer ones, as a worker waiting on something else). For each gap and server, in the
 same run: round trips per second, the round trip's p50 / p99 as the client sees it, and
 the server's CPU time as a share of one core (``/proc/PID/stat``). Servers: beanstalkd,
-ours as shipped (polling for 50 us), ours with ``--busy-poll-us 0`` (never polls).
+ours as shipped (polling for 50 us), ours-nopoll: ours with ``--busy-poll-us 0`` (never polls).
 Client and server are pinned to different CPUs, as broker_bench.py does with one
 connection.
 
@@ -29,7 +29,7 @@ bb = benchlib.broker_bench()
 servers = bb.servers
 
 PUT = b"put 0 0 60 100\r\n" + b"x" * 100 + b"\r\n"
-KINDS = {"beanstalkd": ("beanstalkd", []), "ours": ("ours", []), "ours, no poll": ("ours", ["--busy-poll-us", "0"])}
+KINDS = {"beanstalkd": ("beanstalkd", []), "ours": ("ours", []), "ours-nopoll": ("ours", ["--busy-poll-us", "0"])}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -98,10 +98,10 @@ def test_bench_busypoll_one_gap_each_server():
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     rows = json.loads((BENCH / "out" / "busypoll.json").read_text())["rows"]
-    assert [r["server"] for r in rows] == ["beanstalkd", "ours", "ours, no poll"]
+    assert [r["server"] for r in rows] == ["beanstalkd", "ours", "ours-nopoll"]
     for r in rows:
         assert r["commands"] > 100 and 0 < r["server_cpu_share"] < 1.5, r
-    assert "| 0 us | ours, no poll |" in res.stdout and "load average" in res.stdout
+    assert "| 0 us | ours-nopoll |" in res.stdout and "load average" in res.stdout
     bad = subprocess.run([sys.executable, str(BENCH / "bench_busypoll.py"), "--gaps", "soon"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "whole microseconds" in bad.stderr

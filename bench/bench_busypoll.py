@@ -5,13 +5,15 @@ One client connection sends ``put`` and waits for the reply, then "works" for a 
 time before the next one (a busy loop for gaps under 2 ms, as a worker computing; a sleep
 for longer ones, as a worker waiting on something else). For each gap and server, in the
 same run: round trips per second, the round trip's p50 / p99 as the client sees it, and
-the server's CPU time as a share of one core (``/proc/PID/stat``). Servers: beanstalkd,
-ours as shipped (polling for 50 us), ours-nopoll: ours with ``--busy-poll-us 0`` (never polls).
+the server's CPU time as a share of one core (``/proc/PID/stat``). Servers: beanstalkd, and
+ours once per ``--windows`` value W (``ours-pollW``: ``--busy-poll-us W``; the default 50 is
+the shipped setting, 0 never polls).
 Client and server are pinned to different CPUs, as broker_bench.py does with one
 connection.
 
     python bench/bench_busypoll.py                      # gaps 0, 20 us, 100 us, 1 ms, 10 ms; 2 s each
     python bench/bench_busypoll.py --gaps 0,50 --seconds 1
+    python bench/bench_busypoll.py --windows 50,100,200,0 --gaps 0,10,20,50,100
 
 Prints a markdown table and writes bench/out/busypoll.json.
 """
@@ -29,7 +31,6 @@ bb = benchlib.broker_bench()
 servers = bb.servers
 
 PUT = b"put 0 0 60 100\r\n" + b"x" * 100 + b"\r\n"
-KINDS = {"beanstalkd": ("beanstalkd", []), "ours": ("ours", []), "ours-nopoll": ("ours", ["--busy-poll-us", "0"])}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -50,7 +51,8 @@ def pause(gap_ns: int) -> None:
 
 
 def one_run(label: str, gap_us: int, seconds: float) -> dict:
-    kind, args = KINDS[label]
+    """label: beanstalkd, or ours-pollW (ours with --busy-poll-us W)."""
+    kind, args = ("beanstalkd", []) if label == "beanstalkd" else ("ours", ["--busy-poll-us", label[len("ours-poll"):]])
     srv = bb.start_server(kind, args, benchlib.OUT / "logs")
     try:
         bb.set_affinity(srv.pid, {bb.SERVER_CPU})
@@ -92,18 +94,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gaps", default="0,20,100,1000,10000", help="client work between commands, us (comma list)")
     ap.add_argument("--seconds", type=float, default=2.0, help="measured time per row")
-    ap.add_argument("--servers", default=",".join(KINDS), help=f"comma list of: {', '.join(KINDS)}")
+    ap.add_argument("--windows", default="50,0", help="--busy-poll-us of each run of ours, us (comma list)")
     opts = ap.parse_args()
-    labels = [s.strip() for s in opts.servers.split(",") if s.strip()]
-    for label in labels:
-        if label not in KINDS:
-            ap.error(f"unknown server {label!r} (one of: {', '.join(KINDS)})")
     try:
         gaps = [int(g) for g in opts.gaps.split(",")]
+        windows = [int(w) for w in opts.windows.split(",")]
     except ValueError:
-        ap.error(f"--gaps takes whole microseconds, not {opts.gaps!r}")
-    if any(g < 0 for g in gaps) or opts.seconds <= 0:
-        ap.error("gaps must be >= 0 and --seconds > 0")
+        ap.error(f"--gaps and --windows take whole microseconds, not {opts.gaps!r} / {opts.windows!r}")
+    if any(g < 0 for g in gaps) or any(w < 0 for w in windows) or opts.seconds <= 0:
+        ap.error("gaps and windows must be >= 0 and --seconds > 0")
+    labels = ["beanstalkd", *(f"ours-poll{w}" for w in windows)]
     load = os.getloadavg()[0]
     rows = [one_run(label, gap, opts.seconds) for gap in gaps for label in labels]
     meta = {"machine": servers.machine(), "builds": {"ours": servers.build_of_ours()}, "git": bb.git_info(),

@@ -81,6 +81,8 @@ class BrokerCollector:
                                       value=poll.polls)
             yield CounterMetricFamily("beanstalk_busy_polls_caught", "Busy polls that caught a next command",
                                       value=poll.caught_total())
+            yield CounterMetricFamily("beanstalk_busy_polls_contended",
+                                      "Busy polls ended because another process wanted the CPU", value=poll.contended)
             yield CounterMetricFamily("beanstalk_busy_poll_idle_seconds",
                                       "CPU time spent busy polling with nothing to do", value=poll.spun_ns / 1e9)
         binlog = queue.listener.stats()

@@ -1,19 +1,23 @@
 """Busy polling after a command (``--busy-poll-us``, broker/busypoll.py).
 
 In-process, over a loop stand-in and a clock the test moves: when a poll starts, goes on,
-ends, and how it backs off after polls that caught nothing. Then real broker processes: a
-client that sends one command at a time is caught by the poll, a client slower than the
-window turns polling off almost at once, and ``--busy-poll-us 0`` never polls.
+ends, and how it backs off after polls that caught nothing or lost the CPU to another
+process. Then real broker processes: a client that sends one command at a time is caught
+by the poll, a client slower than the window turns polling off almost at once, a CPU-bound
+process beside the broker does not make polling hurt, and ``--busy-poll-us 0`` never polls.
 """
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker.busypoll import MAX_WINDOW_US, BusyPoll
+from broker.busypoll import AWAY_LIMIT_NS, MAX_WINDOW_US, BusyPoll
 from tests.helpers import broker_process, free_port, sample, scrape, wait_for_port
 
 
@@ -36,11 +40,13 @@ class Rig:
     def __init__(self, window_us: int = 50) -> None:
         self.now = 1_000_000
         self.yields = 0
+        self.away_ns = 0  # how long a sched_yield gives the CPU away (another process runs)
         self.loop = FakeLoop()
         self.poll = BusyPoll(window_us, self.loop, lambda: self.now, self._yield)  # type: ignore[arg-type]
 
     def _yield(self) -> None:
         self.yields += 1
+        self.now += self.away_ns
 
     def idle_until_end(self, step_us: int = 10) -> int:
         """Loop iterations with no input until the poll ends; how many ran."""
@@ -100,6 +106,25 @@ def test_polls_that_catch_nothing_back_off_exponentially_and_one_catch_resets() 
     assert poll.spinning
 
 
+def test_a_poll_that_gives_the_cpu_to_another_process_ends_and_backs_off() -> None:
+    rig = Rig(window_us=50)
+    poll = rig.poll
+    rig.away_ns = 30_000  # a client on the same CPU sends its next command and blocks: not contention
+    poll.note_input()
+    rig.now += 5_000
+    rig.loop.turn()
+    assert poll.spinning and poll.contended == 0
+    poll.note_input()
+    rig.loop.turn()
+    rig.away_ns = AWAY_LIMIT_NS + 1_000  # a CPU-bound neighbour ran for a slice
+    rig.now += 5_000
+    rig.loop.turn()
+    # it ends at once as a miss, though it had caught a command, so polling backs off
+    assert not poll.spinning and poll.contended == 1
+    assert poll.caught == 0 and poll.misses == 1 and poll.skip == 1
+    assert rig.loop.soon == []
+
+
 def test_the_window_is_checked() -> None:
     for bad in (0, -1, MAX_WINDOW_US + 1):
         with pytest.raises(ValueError, match="busy-poll window"):
@@ -134,19 +159,22 @@ def _put(sock: socket.socket) -> None:
 
 
 def _poll_counts(http: str) -> tuple[float | None, float | None, float | None]:
+    """Polls started, polls that caught a command, seconds spent polling idle (None: no poll)."""
     _, samples = scrape(http)
     return (sample(samples, "beanstalk_busy_polls_total"), sample(samples, "beanstalk_busy_polls_caught_total"),
             sample(samples, "beanstalk_busy_poll_idle_seconds_total"))
 
 
+@pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "1000"]], indirect=True)
 def test_a_client_sending_one_command_at_a_time_is_caught_by_the_poll(polled_broker) -> None:
+    # a 1 ms window: this Python client answers each reply in ~40 us on a quiet machine, and
+    # should still be inside the window on a busy CI machine
     sock, http = polled_broker
     for _ in range(3000):
         _put(sock)
     polls, caught, idle = _poll_counts(http)
     assert polls is not None and caught is not None and idle is not None, "no busy-poll metrics"
-    # the client answers each reply within the 50 us window most of the time: polls go on
-    # across many commands instead of one per command
+    # polls catch commands and go on across many of them, instead of one poll per command
     assert caught >= 1
     assert polls < 1500, f"{polls} polls for 3000 commands: the poll did not carry over"
 
@@ -171,3 +199,41 @@ def test_busy_poll_us_0_never_polls(polled_broker) -> None:
     for _ in range(100):
         _put(sock)
     assert _poll_counts(http) == (None, None, None)
+
+
+def _round_trips_beside_a_cpu_hog(extra_args: list[str], seconds: float = 1.5) -> tuple[float, float | None]:
+    """Broker and a CPU-bound process pinned to CPU 0, this client on CPU 1 (if there is one):
+    put round trips a second, and the broker's contended-poll count (None: it does not poll)."""
+    http = f"127.0.0.1:{free_port()}"
+    proc = broker_process(extra_args=["--http", http, *extra_args]).start()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    mine = os.sched_getaffinity(0)
+    try:
+        wait_for_port("127.0.0.1", int(http.rsplit(":", 1)[1]), 10, proc.proc)
+        os.sched_setaffinity(proc.pid, {0})
+        os.sched_setaffinity(hog.pid, {0})
+        os.sched_setaffinity(0, {1} if os.cpu_count() and os.cpu_count() > 1 else {0})  # type: ignore[operator]
+        with socket.create_connection((proc.host, proc.port), timeout=10) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            done = 0
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                _put(sock)
+                done += 1
+        _, samples = scrape(http)
+        return done / seconds, sample(samples, "beanstalk_busy_polls_contended_total")
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+        proc.stop()
+
+
+def test_polling_gives_way_to_a_cpu_bound_process_on_the_same_cpu() -> None:
+    """A polling broker is always runnable, so a command cannot wake it ahead of a CPU-bound
+    neighbour: without the contention check one client fell from ~10.8k round trips a second
+    to ~0.3k beside such a process. With it, polling ends when sched_yield comes back late."""
+    without, _ = _round_trips_beside_a_cpu_hog(["--busy-poll-us", "0"])
+    with_poll, contended = _round_trips_beside_a_cpu_hog([])
+    assert with_poll >= 0.4 * without, f"{with_poll:.0f}/s polling against {without:.0f}/s not polling"
+    assert contended is not None and contended >= 1

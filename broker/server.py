@@ -91,7 +91,8 @@ class BrokerServer:
         listen = config.listen
         state = self.state
         if config.busy_poll_us > 0:
-            state.busy_poll = BusyPoll(config.busy_poll_us, loop, self.clock)
+            # real time, not the queue's clock: a test's frozen clock would keep a poll on for good
+            state.busy_poll = BusyPoll(config.busy_poll_us, loop, time.monotonic_ns)
 
         def factory() -> BrokerConnection:
             return BrokerConnection(state)

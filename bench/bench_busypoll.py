@@ -31,16 +31,12 @@ import time
 
 import benchlib
 
+from spark_beanstalk.embedded import cpu_seconds
+
 bb = benchlib.broker_bench()
 servers = bb.servers
 
 PUT = b"put 0 0 60 100\r\n" + b"x" * 100 + b"\r\n"
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pause(gap_ns: int) -> None:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 import broker_bench as bb  # noqa: E402
 
-from spark_beanstalk.embedded import beanstalkd_process, broker_process  # noqa: E402
+from spark_beanstalk.embedded import beanstalkd_process, broker_process, cpu_seconds  # noqa: E402
 
 # `ours+limits`: our broker with every issue-7 limit on, set high enough not to refuse this
 # load, so the table shows what the checks cost.
@@ -109,11 +109,6 @@ def server_stats(host: str, port: int) -> dict:
         return c.yaml("stats")
     finally:
         c.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float | None:

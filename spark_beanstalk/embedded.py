@@ -70,6 +70,12 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[b
     wait_until(listening, timeout, f"a listener on {host}:{port}", interval=0.02, retry_on=(OSError,))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat), for per-command costs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class ServerProcess:
     """A running server child process listening on host:port."""

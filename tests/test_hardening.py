@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process, wait_for_port
-from tests.helpers import ServerProcess, broker_process, free_port, sample, scrape, wait_until
+from tests.helpers import ServerProcess, broker_process, cpu_seconds, free_port, sample, scrape, wait_until
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -258,11 +258,6 @@ def proc_status_kb(pid: int, key: str) -> int:
         if ln.startswith(key + ":"):
             return int(ln.split()[1])
     raise KeyError(key)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def runnable_ns(pid: int) -> int:

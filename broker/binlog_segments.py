@@ -36,6 +36,7 @@ class SegmentLog:
         self.files = files
         self.dir = files.path
         self.fsync_count = 0
+        self.writes = 0  # os.write calls of records (one per reply batch, see Binlog.group_commit)
         self.fsync_seconds = 0.0
         self.seg_size = max(int(segment_size), fmt.HEADER_SIZE + 1024)
         self._chunk = min(self.seg_size, CHUNK)  # segments are allocated this much at a time
@@ -227,6 +228,7 @@ class SegmentLog:
         buf = self._buf
         if not buf:
             return
+        self.writes += 1
         try:
             write_all(self._fd, buf)
         except OSError as exc:

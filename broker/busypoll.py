@@ -109,6 +109,12 @@ class BusyPoll:
         self.since = now
         self.loop.call_soon(self.turn)
 
+    def replied(self) -> None:
+        """Held replies just left (group commit, broker.state): the window counts from now, as it
+        does from a reply written at once, so the time spent holding does not shorten it."""
+        if self.spinning:
+            self.deadline = self.clock() + self.window_ns
+
     def caught_total(self) -> int:
         """Polls that caught a command, the one still on included."""
         return self.caught + (1 if self.spinning and self.hit else 0)

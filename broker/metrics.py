@@ -88,6 +88,9 @@ class BrokerCollector:
         binlog = queue.listener.stats()
         if "bytes" in binlog:
             yield GaugeMetricFamily("beanstalk_binlog_bytes", "Binlog size on disk", value=binlog["bytes"])
+        if "writes" in binlog:
+            yield CounterMetricFamily("beanstalk_binlog_writes", "Writes of binlog records to the current "
+                                      "segment (one per batch of replies)", value=binlog["writes"])
         if "fsync-count" in binlog:
             yield SummaryMetricFamily("beanstalk_binlog_fsync_seconds", "Binlog fsync latency",
                                       count_value=binlog["fsync-count"],

@@ -93,10 +93,10 @@ class QueueListener:
     def recover(self, queue: Queue) -> None:
         """At start, before serving: put every logged job back (see broker.queue_restore)."""
 
-    # True when sync_point is expensive on every call (an fsync: -f 0). The server then
-    # holds the replies of one event-loop iteration and calls sync_point once for all of
-    # them (group commit) instead of once per connection.
-    syncs_every_reply = False
+    # True when sync_point costs a system call or more (a binlog's write, and with -f 0 an
+    # fsync). The server then holds the replies of one event-loop iteration and calls
+    # sync_point once for all of them (group commit) instead of once per connection.
+    group_commit = False
 
     def sync_point(self) -> None:
         """Called before replies that acknowledge changes are written (fsync here for -f 0)."""

@@ -49,11 +49,12 @@ class BrokerServer:
         soft_fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         # Connections beyond this are refused: the rest of the descriptors stay for us.
         reserve = min(_RESERVED_DESCRIPTORS, max(8, soft_fd_limit // 4))
-        # sync_point: called before acknowledging replies go out (binlog fsync with -f 0).
-        # -f 0 (syncs_every_reply): the replies of one loop iteration wait for one fsync.
+        # sync_point: called before acknowledging replies go out (the binlog's write; its
+        # fsync with -f 0). A binlog (listener.group_commit): the replies of one loop
+        # iteration wait for one write (and one fsync with -f 0).
         self.state = ServerState(config, self.queue, self.timer,
                                  sync_point=listener.sync_point if listener is not None else None,
-                                 group_commit=listener is not None and listener.syncs_every_reply,
+                                 group_commit=listener is not None and listener.group_commit,
                                  descriptor_cap=soft_fd_limit - reserve if soft_fd_limit > 0 else 1 << 30)
         self.connections = self.state.connections
         self.extra_collectors: list[Collector] = []  # more /metrics (replication's)

@@ -161,6 +161,8 @@ class ServerState:
             return  # sent by the hold once enough replicas have the records (--sync-replicas)
         for conn, data in held:
             conn.send(data)
+        if self.busy_poll is not None:
+            self.busy_poll.replied()
 
     def drop_held(self) -> None:
         """A replicated member stepping down: replies not sent yet must never acknowledge their changes."""

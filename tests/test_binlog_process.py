@@ -13,6 +13,7 @@ from test_binlog_helpers import job_snapshot, run_ours_expect_exit, segment_file
 
 from broker import binlog_format as fmt
 from spark_beanstalk.client import Connection
+from tests.helpers import sample, scrape
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -196,21 +197,21 @@ def test_full_disk_refuses_puts_and_keeps_serving(tmp_path):
             proc.kill()
 
 
-def _fsync_count(metrics_addr: str) -> int:
-    import urllib.request
+def _binlog_counts(metrics_addr: str) -> tuple[float, float]:
+    """(records writes, fsyncs) of a broker's binlog so far, from its /metrics."""
+    _types, samples = scrape(metrics_addr)
+    writes = sample(samples, "beanstalk_binlog_writes_total")
+    fsyncs = sample(samples, "beanstalk_binlog_fsync_seconds_count")
+    assert writes is not None and fsyncs is not None, sorted(samples)
+    return writes, fsyncs
 
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("beanstalk_binlog_fsync_seconds_count"):
-                return int(float(line.split()[-1]))
-    raise AssertionError("no beanstalk_binlog_fsync_seconds_count in the metrics")
 
-
-def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
-    """-f 0, 20 connections whose puts arrive in the same instant (the broker is stopped with
-    SIGSTOP while they are sent): every put is acknowledged only after an fsync, yet they
-    share a few fsyncs instead of paying one each, and every acknowledged job survives a
-    SIGKILL."""
+@pytest.mark.parametrize("flags", [["-f", "0"], ["-f", "50"], ["-F"]])
+def test_group_commit_shares_writes_and_loses_nothing(tmp_path, flags):
+    """20 connections whose puts arrive in the same instant (the broker is stopped with
+    SIGSTOP while they are sent): every put is acknowledged only after its record is written
+    (and with -f 0 fsynced), yet they share a few writes (and fsyncs) instead of paying one
+    each, in every -f mode; every acknowledged job survives a SIGKILL."""
     import signal
     import socket
 
@@ -218,7 +219,7 @@ def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
 
     d = str(tmp_path / "bl")
     metrics = f"127.0.0.1:{free_port()}"
-    proc = start_ours(d, "-f", "0", "--metrics", metrics)
+    proc = start_ours(d, *flags, "--metrics", metrics)
     socks = []
     try:
         for _ in range(20):
@@ -226,7 +227,7 @@ def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
             sock.sendall(b"use group\r\n")
             assert sock.recv(64) == b"USING group\r\n"  # accepted and served before the pause
             socks.append(sock)
-        before = _fsync_count(metrics)
+        writes_before, fsyncs_before = _binlog_counts(metrics)
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             for n, sock in enumerate(socks):
@@ -241,10 +242,14 @@ def test_f0_group_commit_shares_fsyncs_and_loses_nothing(tmp_path):
                 reply += sock.recv(64)
             assert reply.startswith(b"INSERTED "), reply
             ids.append(int(reply.split()[1]))
-        fsyncs = _fsync_count(metrics) - before
-        assert 1 <= fsyncs <= 5, f"{fsyncs} fsyncs for 20 puts that arrived together"
+        writes_after, fsyncs_after = _binlog_counts(metrics)
+        writes = writes_after - writes_before
+        assert 1 <= writes <= 5, f"{writes} binlog writes for 20 puts that arrived together"
+        if flags == ["-f", "0"]:
+            fsyncs = fsyncs_after - fsyncs_before
+            assert 1 <= fsyncs <= 5, f"{fsyncs} fsyncs for 20 puts that arrived together"
         proc.kill()
-        proc = start_ours(d, "-f", "0")
+        proc = start_ours(d, *flags)
         with Connection(proc.host, proc.port) as conn:
             snap = job_snapshot(conn, ids)
         assert sorted(s["body"] for s in snap.values()) == [b"job %02d" % n for n in range(20)]

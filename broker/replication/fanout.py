@@ -17,7 +17,7 @@ class Fanout(QueueListener):
         self.listeners = listeners
         self.before_close = before_close  # the member stops applying before the binlog closes
         self.after_close = after_close  # and records a clean shutdown once it has closed
-        self.syncs_every_reply = any(item.syncs_every_reply for item in listeners)
+        self.group_commit = any(item.group_commit for item in listeners)
 
     def job_put(self, job: Job) -> None:
         for item in self.listeners:

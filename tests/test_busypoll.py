@@ -79,6 +79,22 @@ def test_a_command_starts_a_poll_that_ends_a_window_after_the_last_command() -> 
     assert rig.loop.soon == []  # nothing left scheduled: the loop may sleep
 
 
+
+def test_the_window_counts_from_when_held_replies_leave() -> None:
+    """With a binlog, replies wait for the end of the loop iteration (group commit): the time
+    they were held must not eat into the window the client has to send its next command."""
+    rig = Rig(window_us=50)
+    poll = rig.poll
+    poll.note_input()
+    rig.now += 40_000  # the held reply leaves 40 us after the command came (the binlog's write)
+    poll.replied()
+    rig.now += 30_000  # 70 us after the command, 30 us after its reply
+    rig.loop.turn()
+    assert poll.spinning, "the poll ended 50 us after the command, 10 us after its reply"
+    assert rig.idle_until_end(step_us=10) == 2  # the window ends 50 us after the reply
+    poll.replied()  # no poll on: nothing happens
+    assert not poll.spinning and rig.loop.soon == []
+
 def test_polls_that_catch_nothing_back_off_exponentially_and_one_catch_resets() -> None:
     rig = Rig(window_us=50)
     poll = rig.poll

@@ -33,7 +33,7 @@ GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.jobtable", "broker.model", "broker.queue",
                                "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.busypoll",
                                "broker.connection", "broker.stats", "broker.binlog_format", "broker.queue_restore",
-                               "broker.binlog_recovery", "broker.limits")
+                               "broker.binlog_recovery", "broker.limits", "broker.binlog_segments", "broker.binlog")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 

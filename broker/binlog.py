@@ -79,7 +79,7 @@ from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, CrashHook, FsyncThread, say
 from broker.binlog_recovery import RestoreTally, Scanner, ScanResult, restore_records
 from broker.binlog_segments import DEL, FIXED, NS, SLACK, SegmentLog
-from broker.queue import DELAYED, INVALID, Job, Queue, QueueListener, StorageFull
+from broker.queue import DELAYED, INVALID, Job, Queue, StorageFull
 from broker.queue_restore import Restorer
 
 __all__ = ["Binlog", "BinlogError", "open_binlog"]
@@ -91,7 +91,7 @@ _append_update = fmt.append_update
 _append_delete = fmt.append_delete
 
 
-class Binlog(SegmentLog, QueueListener):
+class Binlog(SegmentLog):
     """The queue listener behind ``-b DIR``: writes the records; the segments and their space
     are its base, :class:`broker.binlog_segments.SegmentLog`.
 
@@ -279,9 +279,9 @@ class Binlog(SegmentLog, QueueListener):
                 self._io_failed("fdatasync", exc)
 
     def start_thread(self) -> None:
-        if self.fsync_ms and self._thread is None:
-            self._thread = FsyncThread(self.fsync_ms, self._sync_dirty)
-            self._thread.start()
+        if self.fsync_ms and self._fsync_thread is None:
+            self._fsync_thread = FsyncThread(self.fsync_ms, self._sync_dirty)
+            self._fsync_thread.start()
 
     # ------------------------------------------------------------------ stats, shutdown
     def stats(self) -> dict[str, Any]:
@@ -307,8 +307,8 @@ class Binlog(SegmentLog, QueueListener):
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
-            self._thread.stop()
+        if self._fsync_thread is not None:
+            self._fsync_thread.stop()
         try:
             if self._fd >= 0:
                 self._flush()
@@ -327,8 +327,8 @@ class Binlog(SegmentLog, QueueListener):
     def abandon(self) -> None:
         """For tests: drop everything the way SIGKILL does (what was buffered is lost, nothing
         is fsynced or trimmed)."""
-        if self._thread is not None:
-            self._thread.stopping = True
+        if self._fsync_thread is not None:
+            self._fsync_thread.stopping = True
         for fd in (self._fd, self._spare_fd):
             if fd >= 0:
                 os.close(fd)

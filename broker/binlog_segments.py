@@ -18,7 +18,7 @@ from array import array
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, FsyncThread, say, write_all
-from broker.queue import DELAYED, Job, Queue
+from broker.queue import DELAYED, Job, Queue, QueueListener
 
 NS = 1_000_000_000
 SLACK = 512  # room kept beyond the delete reserve: next segment header, fragmentation
@@ -29,8 +29,12 @@ FIXED = fmt.JOB_RECORD_FIXED
 _append_job = fmt.append_job
 
 
-class SegmentLog:
-    """The segment files of one binlog directory and the space in them."""
+class SegmentLog(QueueListener):
+    """The segment files of one binlog directory and the space in them.
+
+    A :class:`QueueListener` only so that :class:`broker.binlog.Binlog` has one base: compiled
+    (mypyc), a class may extend only one other compiled class.
+    """
 
     def __init__(self, files: BinlogDir, segment_size: int) -> None:
         self.files = files
@@ -69,7 +73,7 @@ class SegmentLog:
         self._dirty = False  # written since the last fdatasync
         self._must_sync = False  # ...and among it a change that -f 0 must sync before replying
         self._fd_lock = threading.Lock()
-        self._thread: FsyncThread | None = None
+        self._fsync_thread: FsyncThread | None = None  # not `_thread`: compiled, that is C's `__thread`
         self._write_error: str | None = None
         self.records_written = 0  # beanstalkd's count: reserve records are not in it
         self.records_migrated = 0
@@ -240,8 +244,8 @@ class SegmentLog:
             return
         self._write_error = None
         self._dirty = True
-        if self._thread is not None:
-            self._thread.wake()
+        if self._fsync_thread is not None:
+            self._fsync_thread.wake()
 
     def _io_failed(self, what: str, exc: OSError) -> None:
         """An fsync or file operation failed: say so, refuse new jobs until a write works again."""

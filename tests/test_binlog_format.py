@@ -281,16 +281,16 @@ def test_delete_records_outlive_the_puts_they_cancel(tmp_path):
 def test_fsync_thread_syncs_within_the_interval(tmp_path):
     from tests.helpers import wait_until
     h = Harness(str(tmp_path), fsync_ms=20)
-    assert h.log._thread is not None and h.log._thread.is_alive()
+    assert h.log._fsync_thread is not None and h.log._fsync_thread.is_alive()
     h.put(b"a")
     wait_until(lambda: not h.log._dirty, timeout=5)
     h.close()
-    assert not h.log._thread.is_alive()
+    assert not h.log._fsync_thread.is_alive()
 
 
 def test_no_fsync_mode_has_no_thread_and_still_recovers(tmp_path):
     h = Harness(str(tmp_path), fsync_ms=None)
-    assert h.log._thread is None
+    assert h.log._fsync_thread is None
     a = h.put(b"a")
     h.crash()
     h2 = h.reopen()

@@ -107,6 +107,7 @@ class Binlog(SegmentLog):
                  ignore_damage: bool = False, crash: CrashHook | None = None) -> None:
         super().__init__(BinlogDir(directory, crash if crash is not None else CrashHook.from_env()), segment_size)
         self.fsync_ms = fsync_ms
+        self.waits_for_disk = fsync_ms == 0
         self.requested_size = int(segment_size)  # what -s said; stats shows it, as beanstalkd does
         self.ignore_damage = ignore_damage
         self._skipped_updates = 0

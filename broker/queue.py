@@ -97,6 +97,9 @@ class QueueListener:
     # fsync). The server then holds the replies of one event-loop iteration and calls
     # sync_point once for all of them (group commit) instead of once per connection.
     group_commit = False
+    # True when sync_point waits for the disk (an fsync: -f 0). A round trip then takes an
+    # fsync, longer than a busy poll's window: the server does not poll (broker.busypoll).
+    waits_for_disk = False
 
     def sync_point(self) -> None:
         """Called before replies that acknowledge changes are written (fsync here for -f 0)."""

@@ -105,6 +105,7 @@ class ServerState:
         "descriptor_cap",
         "group_commit",
         "line_cache",
+        "loop",
         "queue",
         "replication_hold",
         "sync_point",
@@ -129,6 +130,9 @@ class ServerState:
         self.write_gate: WriteGate | None = None
         self.replication_hold: ReplicationHold | None = None
         self.busy_poll: BusyPoll | None = None  # set by the server once its loop runs (--busy-poll-us)
+        # set by the server once its loop runs: asyncio.get_running_loop() makes a getpid system
+        # call (it checks for a fork), once per held group of replies otherwise
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def new_decoder(self, auth_enabled: bool) -> p.Decoder:
         return p.Decoder(self.config.max_job_size, auth_enabled=auth_enabled, line_cache=self.line_cache)
@@ -142,7 +146,7 @@ class ServerState:
         connection goes through here while group commit is on.
         """
         if not self._held:
-            asyncio.get_running_loop().call_soon(self.commit_group)
+            (self.loop or asyncio.get_running_loop()).call_soon(self.commit_group)
         self._held.append((conn, data))
         self._held_bytes += len(data)
         if self._held_bytes > OUTPUT_HIGH_WATER:

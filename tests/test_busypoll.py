@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -151,10 +152,12 @@ def test_the_window_is_checked() -> None:
 # real broker processes
 # ----------------------------------------------------------------------------------------
 @pytest.fixture
-def polled_broker(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, str]]:
-    """A broker with /metrics and the given extra flags; yields a connected client socket and the HTTP address."""
+def polled_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    """A broker with /metrics and the given extra flags ("{binlog}": a fresh directory); yields a
+    connected client socket and the HTTP address."""
     http = f"127.0.0.1:{free_port()}"
-    proc = broker_process(extra_args=["--http", http, *getattr(request, "param", [])]).start()
+    flags = [str(tmp_path / "binlog") if flag == "{binlog}" else flag for flag in getattr(request, "param", [])]
+    proc = broker_process(extra_args=["--http", http, *flags]).start()
     try:
         wait_for_port("127.0.0.1", int(http.rsplit(":", 1)[1]), 10, proc.proc)
         with socket.create_connection((proc.host, proc.port), timeout=10) as sock:
@@ -219,6 +222,21 @@ def test_busy_poll_us_0_never_polls(polled_broker) -> None:
     for _ in range(100):
         _put(sock)
     assert _poll_counts(http) == (None, None, None)
+
+
+@pytest.mark.parametrize("polled_broker", [["-b", "{binlog}", "-f", "0"], ["-b", "{binlog}", "-f", "50"]],
+                         indirect=True, ids=["f0", "f50"])
+def test_a_binlog_that_fsyncs_every_reply_turns_polling_off(polled_broker, request) -> None:
+    """-f 0: a round trip takes an fsync, longer than any window, and polling through it cost
+    throughput (bench/README.md, "Group writes"). Other -f modes poll as without a binlog."""
+    sock, http = polled_broker
+    for _ in range(100):
+        _put(sock)
+    polls = _poll_counts(http)[0]
+    if request.node.callspec.id == "f0":
+        assert polls is None, f"{polls} polls with -f 0"
+    else:
+        assert polls is not None and polls >= 1, "no poll with -f 50"
 
 
 def _round_trips_beside_a_cpu_hog(extra_args: list[str], seconds: float = 1.5) -> tuple[float, float | None]:

@@ -18,6 +18,7 @@ class Fanout(QueueListener):
         self.before_close = before_close  # the member stops applying before the binlog closes
         self.after_close = after_close  # and records a clean shutdown once it has closed
         self.group_commit = any(item.group_commit for item in listeners)
+        self.waits_for_disk = any(item.waits_for_disk for item in listeners)
 
     def job_put(self, job: Job) -> None:
         for item in self.listeners:

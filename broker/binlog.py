@@ -84,11 +84,6 @@ from broker.queue_restore import Restorer
 
 __all__ = ["Binlog", "BinlogError", "open_binlog"]
 
-_DEL = DEL
-_FIXED = FIXED
-_append_job = fmt.append_job
-_append_update = fmt.append_update
-_append_delete = fmt.append_delete
 
 
 class Binlog(SegmentLog):
@@ -183,18 +178,18 @@ class Binlog(SegmentLog):
     def job_put(self, job: Job) -> None:
         tb = job.tube.name_bytes
         body = job.body
-        size = _FIXED + len(tb) + len(body)
+        size = FIXED + len(tb) + len(body)
         rem = self._alloc - self._pos
-        if size > rem or rem - size + self._spare_room < (self._nlive + 1) * _DEL + SLACK or self._write_error:
+        if size > rem or rem - size + self._spare_room < (self._nlive + 1) * DEL + SLACK or self._write_error:
             self._make_room(size)
         created = job.created + self._wall_off
         delay = job.delay
         buf = self._buf
         if delay:
-            _append_job(buf, job.id, DELAYED, job.pri, delay, job.ttr * NS, created, created + delay,
+            fmt.append_job(buf, job.id, DELAYED, job.pri, delay, job.ttr * NS, created, created + delay,
                         0, 0, 0, 0, 0, tb, body)
         else:
-            _append_job(buf, job.id, 0, job.pri, 0, job.ttr * NS, created, 0, 0, 0, 0, 0, 0, tb, body)
+            fmt.append_ready_job(buf, job.id, job.pri, job.ttr * NS, created, tb, body)
         self._pos += size
         self._must_sync = True
         idx = self._cur
@@ -213,7 +208,7 @@ class Binlog(SegmentLog):
         """Slow path of job_put: rotate, allocate a spare, or refuse the job (StorageFull)."""
         if self._write_error:
             raise StorageFull(self._write_error)
-        if not self._fit(size, (self._nlive + 1) * _DEL + SLACK):
+        if not self._fit(size, (self._nlive + 1) * DEL + SLACK):
             raise StorageFull("binlog: disk full")
 
     def job_updated(self, job: Job) -> None:
@@ -234,7 +229,7 @@ class Binlog(SegmentLog):
         if state == INVALID:
             return False
         size = fmt.UPDATE_RECORD_SIZE
-        reserve = self._nlive * _DEL + SLACK
+        reserve = self._nlive * DEL + SLACK
         if (size > self._alloc - self._pos or self._room_after(size) < reserve) and not self._fit(size, reserve):
             self._skipped_updates += 1
             if self._skipped_updates in (1, 10, 100, 1000) or not self._skipped_updates % 10000:
@@ -242,21 +237,21 @@ class Binlog(SegmentLog):
                     f"(after a crash those jobs come back in their previous state)")
             return False
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        _append_update(self._buf, job.id, state, job.pri, job.delay, deadline,
+        fmt.append_update(self._buf, job.id, state, job.pri, job.delay, deadline,
                        job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
         self._pos += size
         return True
 
     def job_deleted(self, job: Job) -> None:
-        if self._alloc - self._pos < _DEL and not self._fit(_DEL, 0):
+        if self._alloc - self._pos < DEL and not self._fit(DEL, 0):
             say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
             return
-        _append_delete(self._buf, job.id)
-        self._pos += _DEL
+        fmt.append_delete(self._buf, job.id)
+        self._pos += DEL
         self._must_sync = True
         self.records_written += 1
         self._nlive -= 1
-        self._live_bytes -= _FIXED + len(job.tube.name) + len(job.body)
+        self._live_bytes -= FIXED + len(job.tube.name) + len(job.body)
         home = job.file
         live = self._live
         n = live.get(home)

@@ -104,6 +104,9 @@ JOB_FIELDS = struct.Struct("<I5x" + JOB.format[2:])  # frame and fixed part, crc
 # The interpreted recovery's batch loop: JOB_FIELDS without the deadline (a ready job has
 # none) and with the five counters as one 20-byte string (zeros for nearly every job).
 JOB_BATCH_FIELDS = struct.Struct("<I5xQBIqqq8x20sB")
+# The put path's K_JOB payload of a job put ready: JOB with state, delay, deadline and the
+# five counters as pad bytes (zeros), so the pack takes 6 values instead of 14.
+READY_JOB = struct.Struct("<BQxI8xqq28xB")
 
 
 def plain_job_fields(tube_len: int) -> struct.Struct:
@@ -119,17 +122,18 @@ def plain_job_tail(tube: bytes) -> bytes:
 
 
 _STRUCT_SIZES = (SEGMENT_HEADER.size + HEADER_CRC.size, FRAME.size, JOB.size, UPDATE.size, DELETE.size,
-                 HEAD.size, JOB_FIELDS.size, JOB_BATCH_FIELDS.size)
+                 HEAD.size, JOB_FIELDS.size, JOB_BATCH_FIELDS.size, READY_JOB.size)
 if _STRUCT_SIZES != (HEADER_SIZE, FRAME_SIZE, JOB_SIZE, UPDATE_SIZE, DELETE_SIZE, DELETE_RECORD_SIZE,
-                     JOB_RECORD_FIXED, JOB_RECORD_FIXED):
+                     JOB_RECORD_FIXED, JOB_RECORD_FIXED, JOB_SIZE):
     raise ImportError("binlog_format: a size constant does not match its struct")
 
 crc32: Final = zlib.crc32  # Final: mypyc keeps it in a C variable, not a dict lookup per call
 Buffer = bytes | bytearray | memoryview
-_frame_pack = FRAME.pack
-_job_pack = JOB.pack
-_update_pack = UPDATE.pack
-_delete_pack = DELETE.pack
+_frame_pack: Final = FRAME.pack
+_job_pack: Final = JOB.pack
+_ready_job_pack: Final = READY_JOB.pack
+_update_pack: Final = UPDATE.pack
+_delete_pack: Final = DELETE.pack
 _unpack_head: Final = HEAD.unpack_from
 _unpack_job_fields: Final = JOB_FIELDS.unpack_from
 # Recovery decodes a million records at start. Compiled, reading the bytes one by one is
@@ -212,6 +216,18 @@ def append_job(buf: bytearray, job_id: int, state: int, pri: int, delay: int, tt
     """
     head = _job_pack(K_JOB, job_id, state, pri, delay, ttr, created, deadline,
                      reserves, timeouts, releases, buries, kicks, len(tube))
+    length = JOB_SIZE + len(tube) + len(body)
+    buf += _frame_pack(length, crc32(body, crc32(tube, crc32(head))))
+    buf += head
+    buf += tube
+    buf += body
+    return FRAME_SIZE + length
+
+
+def append_ready_job(buf: bytearray, job_id: int, pri: int, ttr: int, created: int, tube: bytes, body: bytes) -> int:
+    """:func:`append_job` of a job put ready (state, delay, deadline and counters 0): the same
+    bytes, packed from 6 values instead of 14 (the broker's put path)."""
+    head = _ready_job_pack(K_JOB, job_id, pri, ttr, created, len(tube))
     length = JOB_SIZE + len(tube) + len(body)
     buf += _frame_pack(length, crc32(body, crc32(tube, crc32(head))))
     buf += head

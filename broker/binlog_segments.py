@@ -15,18 +15,19 @@ import os
 import threading
 import time
 from array import array
+from typing import Final
 
 from broker import binlog_format as fmt
 from broker.binlog_file import BinlogDir, BinlogError, FsyncThread, say, write_all
 from broker.queue import DELAYED, Job, Queue, QueueListener
 
-NS = 1_000_000_000
-SLACK = 512  # room kept beyond the delete reserve: next segment header, fragmentation
-CHUNK = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
-MIGRATE_BUDGET = 256 * 1024  # bytes of records moved forward per reply batch at most
-DEL = fmt.DELETE_RECORD_SIZE
-FIXED = fmt.JOB_RECORD_FIXED
-_append_job = fmt.append_job
+# Final: compiled, these are C constants, not a module dict lookup on every use
+NS: Final = 1_000_000_000
+SLACK: Final = 512  # room kept beyond the delete reserve: next segment header, fragmentation
+CHUNK: Final = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
+MIGRATE_BUDGET: Final = 256 * 1024  # bytes of records moved forward per reply batch at most
+DEL: Final = fmt.DELETE_RECORD_SIZE
+FIXED: Final = fmt.JOB_RECORD_FIXED
 
 
 class SegmentLog(QueueListener):
@@ -211,7 +212,7 @@ class SegmentLog(QueueListener):
             return False
         state = job.state
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
-        _append_job(self._buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off,
+        fmt.append_job(self._buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off,
                     deadline, job.reserves, job.timeouts, job.releases, job.buries, job.kicks, tb, job.body)
         self._pos += size
         self._must_sync = True

@@ -10,6 +10,8 @@ import os
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_binlog_helpers import Harness, segment_files
 
 from broker import binlog_format as fmt
@@ -59,6 +61,20 @@ def test_records_round_trip():
     assert fmt.check_record(b"\0" * 20, 0, 20) == 0
     with pytest.raises(fmt.FormatError, match="past the end"):
         fmt.check_record(rec[:-3], 0, len(rec) - 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(job_id=st.integers(1, 2**64 - 1), pri=st.integers(0, 2**32 - 1), ttr=st.integers(1, 2**63 - 1),
+       created=st.integers(-(2**63), 2**63 - 1), tube=st.binary(min_size=1, max_size=200),
+       body=st.binary(max_size=300))
+def test_a_ready_put_record_is_the_full_record_with_zeros(job_id, pri, ttr, created, tube, body):
+    """The put path packs a ready job from 6 values (append_ready_job); recovery reads it as
+    the 14-value K_JOB record with state, delay, deadline and counters 0, byte for byte."""
+    full, ready = bytearray(b"prefix"), bytearray(b"prefix")
+    n_full = fmt.append_job(full, job_id, 0, pri, 0, ttr, created, 0, 0, 0, 0, 0, 0, tube, body)
+    n_ready = fmt.append_ready_job(ready, job_id, pri, ttr, created, tube, body)
+    assert ready == full and n_ready == n_full == len(full) - 6
+    assert fmt.check_record(bytes(ready), 6, len(ready)) == len(ready)  # the end of a valid record
 
 
 def test_segment_names():

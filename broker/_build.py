@@ -33,7 +33,9 @@ GROUP = "broker"  # mypyc's shared library is <GROUP>__mypyc beside the package
 HOT_MODULES: tuple[str, ...] = ("broker.protocol", "broker.timers", "broker.jobtable", "broker.model", "broker.queue",
                                "broker.queue_verbs", "broker.queue_timers", "broker.state", "broker.busypoll",
                                "broker.connection", "broker.stats", "broker.binlog_format", "broker.queue_restore",
-                               "broker.binlog_recovery", "broker.limits", "broker.binlog_segments", "broker.binlog")
+                               "broker.binlog_recovery", "broker.limits", "broker.binlog_segments", "broker.binlog",
+                               "broker.queue_apply", "broker.replication.wire", "broker.replication.source",
+                               "broker.replication.follower", "broker.replication.fanout")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -60,14 +62,14 @@ class SourceFirst(importlib.abc.MetaPathFinder):
 
 
 def _source(module: str) -> Path:
-    return PACKAGE_DIR / (module.rpartition(".")[2] + ".py")
+    return PACKAGE_DIR.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
 def _extension(module: str) -> Path | None:
     """The compiled extension file of a hot module, if one was built."""
-    stem = module.rpartition(".")[2]
+    stem = PACKAGE_DIR.parent.joinpath(*module.split("."))
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = PACKAGE_DIR / (stem + suffix)
+        path = stem.with_name(stem.name + suffix)
         if path.exists():
             return path
     return None
@@ -130,7 +132,7 @@ def running() -> Selection:
     compiled = [m for m in HOT_MODULES if m in sys.modules
                 and is_compiled_file(str(getattr(sys.modules[m], "__file__", "")))]
     if compiled:
-        names = ", ".join(m.rpartition(".")[2] for m in compiled)
+        names = ", ".join(m.removeprefix("broker.") for m in compiled)
         return Selection(True, f"compiled (mypyc): {names}", tuple(compiled))
     return inspect_build() if not inspect_build().compiled else Selection(False, "interpreted")
 

@@ -257,14 +257,24 @@ def encode_job(job_id: int, state: int, pri: int, delay: int, ttr: int, created:
                counters: tuple[int, int, int, int, int], tube: bytes, body: bytes) -> bytes:
     """A complete K_JOB record as bytes (what :func:`append_job` appends)."""
     buf = bytearray()
-    append_job(buf, job_id, state, pri, delay, ttr, created, deadline, *counters, tube, body)
+    reserves, timeouts, releases, buries, kicks = counters  # unpacked: compiled, a `*counters` call is a Python call
+    append_job(buf, job_id, state, pri, delay, ttr, created, deadline, reserves, timeouts, releases, buries, kicks,
+               tube, body)
+    return bytes(buf)
+
+
+def encode_ready_job(job_id: int, pri: int, ttr: int, created: int, tube: bytes, body: bytes) -> bytes:
+    """:func:`encode_job` of a job put ready (what :func:`append_ready_job` appends)."""
+    buf = bytearray()
+    append_ready_job(buf, job_id, pri, ttr, created, tube, body)
     return bytes(buf)
 
 
 def encode_update(job_id: int, state: int, pri: int, delay: int, deadline: int,
                   counters: tuple[int, int, int, int, int]) -> bytes:
     buf = bytearray()
-    append_update(buf, job_id, state, pri, delay, deadline, *counters)
+    reserves, timeouts, releases, buries, kicks = counters
+    append_update(buf, job_id, state, pri, delay, deadline, reserves, timeouts, releases, buries, kicks)
     return bytes(buf)
 
 

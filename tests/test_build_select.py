@@ -40,3 +40,17 @@ def test_group_library_off_sys_path_runs_interpreted(tmp_path: Path) -> None:
     assert module_file.endswith(".py")
     if any(REPO.glob("broker__mypyc.*")):
         assert "group library" in reason
+
+
+def test_every_hot_module_maps_to_its_source_and_extension() -> None:
+    """Hot modules in a subpackage (broker.replication.wire) are found where setup.py builds them:
+    the staleness check compares each extension with its own source, not a same-named file."""
+    from broker import _build
+
+    compiled = any(REPO.glob("broker__mypyc.*"))
+    for module in _build.HOT_MODULES:
+        source = _build._source(module)
+        assert source == REPO.joinpath(*module.split(".")).with_suffix(".py") and source.exists(), module
+        if compiled:
+            ext = _build._extension(module)
+            assert ext is not None and ext.parent == source.parent and ext.name.startswith(source.stem + "."), module

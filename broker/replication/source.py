@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from broker import binlog_format as fmt
-from broker.queue import DELAYED, INVALID, READY, Job, Queue, QueueListener, Tube
+from broker.queue import DELAYED, INVALID, Job, Queue, QueueListener, Tube
 from broker.replication import wire
 
 if TYPE_CHECKING:
@@ -117,8 +117,11 @@ class ReplicationSource(QueueListener):
         if self.active:
             created = job.created + self._wall_offset()
             delay = job.delay
-            self._emit(fmt.encode_job(job.id, DELAYED if delay else READY, job.pri, delay, job.ttr * NS, created,
-                                      created + delay if delay else 0, (0, 0, 0, 0, 0), job.tube.name_bytes, job.body))
+            if delay:
+                self._emit(fmt.encode_job(job.id, DELAYED, job.pri, delay, job.ttr * NS, created, created + delay,
+                                          (0, 0, 0, 0, 0), job.tube.name_bytes, job.body))
+            else:
+                self._emit(fmt.encode_ready_job(job.id, job.pri, job.ttr * NS, created, job.tube.name_bytes, job.body))
 
     def job_updated(self, job: Job) -> None:
         if self.active and job.state != INVALID:

@@ -134,7 +134,8 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
               show_default=True,
               help="After a command, poll for the next one this many microseconds before sleeping: a faster "
                    "round trip for clients that send one command at a time, for CPU time (0: never poll, as "
-                   "beanstalkd). Backs off by itself when clients are slower than the window.")
+                   "beanstalkd). Backs off by itself when clients are slower than the window. Off with -f 0 "
+                   "(a round trip then takes an fsync).")
 @replication_options
 def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binlog_dir: str | None,
                    fsync_ms: int, no_fsync: bool, binlog_size: int, max_connections: int, max_jobs: int,

@@ -85,7 +85,6 @@ from broker.queue_restore import Restorer
 __all__ = ["Binlog", "BinlogError", "open_binlog"]
 
 
-
 class Binlog(SegmentLog):
     """The queue listener behind ``-b DIR``: writes the records; the segments and their space
     are its base, :class:`broker.binlog_segments.SegmentLog`.
@@ -187,7 +186,7 @@ class Binlog(SegmentLog):
         buf = self._buf
         if delay:
             fmt.append_job(buf, job.id, DELAYED, job.pri, delay, job.ttr * NS, created, created + delay,
-                        0, 0, 0, 0, 0, tb, body)
+                           0, 0, 0, 0, 0, tb, body)
         else:
             fmt.append_ready_job(buf, job.id, job.pri, job.ttr * NS, created, tb, body)
         self._pos += size
@@ -238,7 +237,7 @@ class Binlog(SegmentLog):
             return False
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
         fmt.append_update(self._buf, job.id, state, job.pri, job.delay, deadline,
-                       job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
+                          job.reserves, job.timeouts, job.releases, job.buries, job.kicks)
         self._pos += size
         return True
 

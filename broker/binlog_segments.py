@@ -213,7 +213,7 @@ class SegmentLog(QueueListener):
         state = job.state
         deadline = job.deadline + self._wall_off if state == DELAYED else 0
         fmt.append_job(self._buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + self._wall_off,
-                    deadline, job.reserves, job.timeouts, job.releases, job.buries, job.kicks, tb, job.body)
+                       deadline, job.reserves, job.timeouts, job.releases, job.buries, job.kicks, tb, job.body)
         self._pos += size
         self._must_sync = True
         old = job.file

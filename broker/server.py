@@ -94,7 +94,7 @@ class BrokerServer:
         state.loop = loop
         # With -f 0 a round trip takes an fsync, longer than the window: spinning through it bought
         # nothing and took the CPU the disk's completion work needed (1 x 1 puts: 5.4-5.9k/s with
-        # polling, 6.4-6.5k without, bench/README.md "Group writes").
+        # polling, 6.2-6.7k without; bench/README.md, "The binlog and replication write path").
         if config.busy_poll_us > 0 and not (self.listener is not None and self.listener.waits_for_disk):
             # real time, not the queue's clock: a test's frozen clock would keep a poll on for good
             state.busy_poll = BusyPoll(config.busy_poll_us, loop, time.monotonic_ns)

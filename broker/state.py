@@ -92,8 +92,9 @@ class ServerState:
     """Given to every connection: the queue, the config, the timer, and the reply gate.
 
     The reply gate: a reply that acknowledges a change leaves only after the change is as
-    durable as ``-f`` asks (``sync_point``). With ``-f 0`` (``group_commit``) the replies of
-    one event-loop iteration wait for one shared fsync (:meth:`hold_for_commit`).
+    durable as ``-f`` asks (``sync_point``). With a binlog (``group_commit``, any ``-f``) the
+    replies of one event-loop iteration wait for one shared write of their records, and with
+    ``-f 0`` one shared fsync (:meth:`hold_for_commit`).
     """
 
     __slots__ = (
@@ -140,10 +141,11 @@ class ServerState:
     def hold_for_commit(self, conn: BrokerConnection, data: bytes) -> None:
         """Group commit: keep a reply until the end of this event-loop iteration.
 
-        Every connection served in one iteration shares one fsync, where beanstalkd's -f 0
-        pays one per command. Replies still leave only after the fsync (nothing is
-        acknowledged before it is durable), and in order, since every reply of every
-        connection goes through here while group commit is on.
+        Every connection served in one iteration shares one write of the binlog's records
+        (and with -f 0 one fsync), where beanstalkd pays one of each per command. Replies
+        still leave only after it (nothing is acknowledged before it is as durable as -f
+        asks), and in order, since every reply of every connection goes through here while
+        group commit is on.
         """
         if not self._held:
             (self.loop or asyncio.get_running_loop()).call_soon(self.commit_group)

@@ -216,18 +216,18 @@ def append_job(buf: bytearray, job_id: int, state: int, pri: int, delay: int, tt
     """
     head = _job_pack(K_JOB, job_id, state, pri, delay, ttr, created, deadline,
                      reserves, timeouts, releases, buries, kicks, len(tube))
-    length = JOB_SIZE + len(tube) + len(body)
-    buf += _frame_pack(length, crc32(body, crc32(tube, crc32(head))))
-    buf += head
-    buf += tube
-    buf += body
-    return FRAME_SIZE + length
+    return _append_framed_job(buf, head, tube, body)
 
 
 def append_ready_job(buf: bytearray, job_id: int, pri: int, ttr: int, created: int, tube: bytes, body: bytes) -> int:
     """:func:`append_job` of a job put ready (state, delay, deadline and counters 0): the same
     bytes, packed from 6 values instead of 14 (the broker's put path)."""
     head = _ready_job_pack(K_JOB, job_id, pri, ttr, created, len(tube))
+    return _append_framed_job(buf, head, tube, body)
+
+
+def _append_framed_job(buf: bytearray, head: bytes, tube: bytes, body: bytes) -> int:
+    """The frame (length, crc of the three parts) and the parts of a K_JOB record whose fixed part is ``head``."""
     length = JOB_SIZE + len(tube) + len(body)
     buf += _frame_pack(length, crc32(body, crc32(tube, crc32(head))))
     buf += head

@@ -1,6 +1,10 @@
 """Shared fixtures: real server processes on free ports, one SparkSession per session."""
 from __future__ import annotations
 
+import itertools
+import os
+from pathlib import Path
+
 import pytest
 
 from spark_beanstalk.client import Connection
@@ -34,50 +38,64 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: "spark" not in item.fixturenames)
 
 
-def _start(kind: str, extra_args=()) -> ServerProcess:
+def _start(kind: str, extra_args=(), log_dir: Path | None = None) -> ServerProcess:
     factory = broker_process if kind == "ours" else beanstalkd_process
-    return factory(extra_args=list(extra_args)).start()
+    stderr = str(log_dir / f"{kind}-{next(_LOG_NUMBERS)}.stderr.log") if log_dir is not None else None
+    proc = factory(extra_args=list(extra_args), stderr_path=stderr).start()
+    proc.kind = kind
+    return proc
+
+
+_LOG_NUMBERS = itertools.count()
+
+
+def _stop(proc: ServerProcess) -> None:
+    """Stop the server and print how it ended and the end of its stderr: pytest shows this only
+    for a failed test, where a server that died or refused connections must say why."""
+    code = proc.stop()
+    lines: list[str] = []
+    if proc.stderr_path and os.path.exists(proc.stderr_path):
+        lines = Path(proc.stderr_path).read_text(errors="replace").splitlines()[-20:]
+    print(f"{proc.kind} on {proc.address}, pid {proc.pid}: exit code {code}; stderr:", *lines, sep="\n  ")
 
 
 @pytest.fixture
-def broker():
+def broker(tmp_path):
     """A fresh process of our broker on 127.0.0.1:<free port>."""
-    proc = _start("ours")
+    proc = _start("ours", log_dir=tmp_path)
     yield proc
-    proc.stop()
+    _stop(proc)
 
 
 @pytest.fixture
-def beanstalkd():
+def beanstalkd(tmp_path):
     """A fresh real beanstalkd 1.12 on 127.0.0.1:<free port>."""
-    proc = _start("beanstalkd")
+    proc = _start("beanstalkd", log_dir=tmp_path)
     yield proc
-    proc.stop()
+    _stop(proc)
 
 
 @pytest.fixture(params=SERVER_KINDS)
-def server(request):
+def server(request, tmp_path):
     """Each test using this runs twice: against our broker and against beanstalkd 1.12."""
-    proc = _start(request.param)
-    proc.kind = request.param
+    proc = _start(request.param, log_dir=tmp_path)
     yield proc
-    proc.stop()
+    _stop(proc)
 
 
 @pytest.fixture
-def server_factory():
+def server_factory(tmp_path):
     """Start extra servers inside a test: server_factory('ours', extra_args=[...])."""
     started: list[ServerProcess] = []
 
     def make(kind: str, extra_args=()) -> ServerProcess:
-        proc = _start(kind, extra_args)
-        proc.kind = kind
+        proc = _start(kind, extra_args, log_dir=tmp_path)
         started.append(proc)
         return proc
 
     yield make
     for proc in started:
-        proc.stop()
+        _stop(proc)
 
 
 @pytest.fixture

@@ -38,15 +38,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: "spark" not in item.fixturenames)
 
 
+_LOG_NUMBERS = itertools.count()  # stderr file names of the servers one test starts
+
+
 def _start(kind: str, extra_args=(), log_dir: Path | None = None) -> ServerProcess:
     factory = broker_process if kind == "ours" else beanstalkd_process
     stderr = str(log_dir / f"{kind}-{next(_LOG_NUMBERS)}.stderr.log") if log_dir is not None else None
     proc = factory(extra_args=list(extra_args), stderr_path=stderr).start()
     proc.kind = kind
     return proc
-
-
-_LOG_NUMBERS = itertools.count()
 
 
 def _stop(proc: ServerProcess) -> None:

@@ -7,6 +7,7 @@ the benchmarks. One place, so every caller waits for readiness the same way.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,12 +22,47 @@ from typing import IO, Any, TypeVar
 T = TypeVar("T")
 
 
+PORT_POOL_LOW = 20000  # free_port() picks from here up to the kernel's ephemeral range
+_port_picker = random.Random()  # its own generator: a test that seeds `random` must not make workers agree
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and bind(0) (ip_local_port_range)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago, chosen below the kernel's ephemeral range.
+
+    Why below it: a port from that range can become the local port of any outgoing
+    connection before the server binds it, and a client polling it for a listener can
+    connect to itself (TCP simultaneous open) and take that for the server. Below the
+    range only another explicit bind can take it, which ServerProcess.start survives by
+    moving. Where the range leaves no room below it, the OS picks (bind to port 0).
+    """
+    top = ephemeral_ports().start - 1
+    if top - PORT_POOL_LOW >= 1000:
+        for _ in range(200):
+            port = _port_picker.randint(PORT_POOL_LOW, top)
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def wait_until(predicate: Callable[[], T | None], timeout: float, what: str = "condition", interval: float = 0.05, *,
@@ -105,7 +141,7 @@ class ServerProcess:
         """Start and wait until it accepts connections.
 
         A port from free_port() can be taken by someone else before the server binds it
-        (an outgoing connection's ephemeral port, another test): when we chose the port
+        (another test's explicit bind): when we chose the port
         and the server exits before listening, it is started again on a new free port.
         """
         for attempt in range(3):

@@ -1,4 +1,4 @@
-"""The shared test helpers themselves: wait_until's contract, the port retry of ServerProcess."""
+"""The shared test helpers themselves: wait_until's contract, free_port's pool, the port retry of ServerProcess."""
 from __future__ import annotations
 
 import socket
@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tests.helpers import broker_process, wait_until
+from spark_beanstalk.embedded import PORT_POOL_LOW, ephemeral_ports
+from tests.helpers import broker_process, free_port, wait_until
 
 
 def test_wait_until_returns_the_first_truthy_value() -> None:
@@ -39,12 +40,47 @@ def test_wait_until_retries_only_the_named_errors() -> None:
                    interval=0.01, retry_on=(OSError,))
 
 
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    """No outgoing connection can take such a port, and no client polling it can connect to itself.
+
+    The sixteenth session moved free_port() there after two tests failed once on a broker that
+    seemed to listen and did not (a port from bind(0) is in the ephemeral range).
+    """
+    ephemeral = ephemeral_ports()
+    assert ephemeral.start - 1 - PORT_POOL_LOW >= 1000  # this machine leaves room below the range
+    ports = [free_port() for _ in range(50)]
+    assert all(PORT_POOL_LOW <= port < ephemeral.start for port in ports), ports
+    assert len(set(ports)) > 40  # spread over the pool, not one port for every caller
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free when handed out
+
+
+def test_a_port_polled_for_a_listener_is_never_the_poller_own() -> None:
+    """A connect() picks its local port from the ephemeral range, so it cannot meet a pool port.
+
+    Why it matters: with no listener, a socket whose local port equals the port it connects to
+    is connected to itself (TCP simultaneous open), and wait_for_port would take that for a
+    server. Shown here by binding such a socket on purpose.
+    """
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.connect(("127.0.0.1", port))  # nothing listens, yet it connects: to itself
+        assert sock.getsockname() == sock.getpeername()
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.settimeout(1)
+            assert probe.connect_ex(("127.0.0.1", port)) != 0  # refused: nobody listens, no self-connect
+            assert probe.getsockname()[1] in ephemeral_ports()
+
+
 def test_server_on_a_taken_port_moves_to_a_free_one() -> None:
     """A port from free_port() that someone takes before the broker binds it: start() retries elsewhere."""
     proc = broker_process()
     taken = proc.port
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))  # bound, not listening: like an outgoing connection's port
+        squatter.bind(("127.0.0.1", taken))  # bound, not listening: another process's bind
         proc.start()
         try:
             assert proc.port != taken and proc.argv[proc.argv.index("-p") + 1] == str(proc.port)

@@ -18,12 +18,9 @@ from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from spark_beanstalk.batch import Batch
 from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.leader import open_leader
-from spark_beanstalk.options import SourceOptions
+from spark_beanstalk.options import RECONNECT_FIRST, RECONNECT_MAX, SourceOptions
 
 log = logging.getLogger("spark_beanstalk.source")
-
-_BACKOFF_FIRST = 0.1
-_BACKOFF_MAX = 5.0
 
 
 class BeanstalkSourceError(RuntimeError):
@@ -102,7 +99,7 @@ class BrokerLink:
         self.down_since_wall = 0.0
         self.last_error = ""
         self.next_try = 0.0
-        self.backoff = _BACKOFF_FIRST
+        self.backoff = RECONNECT_FIRST
         self.was_up = False
         self.waiting_since: dict[int, float] = {}  # orphans still reserved elsewhere -> first seen
         self.closed = False                        # closed for good (the query stopped): never reconnect
@@ -153,7 +150,7 @@ class BrokerLink:
                         sum(1 for lot in self.held.values() if lot.rc.dead))
         self.was_up = True
         self.down_since = None
-        self.backoff = _BACKOFF_FIRST
+        self.backoff = RECONNECT_FIRST
         self.next_try = 0.0
         return True
 
@@ -164,7 +161,7 @@ class BrokerLink:
             self.down_since_wall = time.time()
             log.warning("beanstalk source: broker %s is down (%s); retrying", self.address, exc)
         self.next_try = time.monotonic() + self.backoff
-        self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
+        self.backoff = min(self.backoff * 2, RECONNECT_MAX)
 
     def down_for(self) -> float:
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since

@@ -285,6 +285,8 @@ def _trigger_limits(options: Mapping[str, str]) -> tuple[int, int, float]:
 WRITER_CONF_PREFIX = "spark.beanstalk."
 
 MAX_U32 = 2**32 - 1
+RECONNECT_FIRST = 0.1   # seconds: the first pause before a lost broker is tried again (source and writer)
+RECONNECT_MAX = 5.0     # seconds: the longest, after doubling from the first
 
 # Keys Spark itself may put into a sink's option map; accepted and ignored.
 _SPARK_PASSED_KEYS = {"path", "checkpointLocation", "queryName"}
@@ -311,7 +313,7 @@ class WriterOptions:
     timeout: float = 30.0                     # socket read timeout, seconds
     connect_timeout: float = 5.0
     retries: int = 2                          # extra rounds when every host is unavailable
-    retry_interval: float = 1.0               # seconds between those rounds (first backoff step)
+    retry_interval: float = RECONNECT_FIRST   # seconds between those rounds (first backoff step)
     broker_retry_seconds: float = 180.0       # keep reconnecting this long when every host is down; 0: fail fast
     dedup: bool = True                        # skip a batch id whose completion marker exists
     writer_id: str | None = None              # marker namespace; default: the streaming query id
@@ -378,7 +380,7 @@ class WriterOptions:
             timeout=get_float(o, "timeout", 30.0, 0.001),
             connect_timeout=get_float(o, "connectTimeout", 5.0, 0.001),
             retries=get_int(o, "retries", 2, 0, 1000),
-            retry_interval=get_float(o, "retryInterval", 1.0, 0.0),
+            retry_interval=get_float(o, "retryInterval", RECONNECT_FIRST, 0.0),
             broker_retry_seconds=get_float(o, "brokerRetrySeconds", 180.0, 0.0),
             dedup=get_bool(o, "dedup", True),
             writer_id=get_str(o, "writerId", "") or None,

@@ -48,6 +48,7 @@ from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.leader import open_leader
 from spark_beanstalk.options import (
     MAX_U32,
+    RECONNECT_MAX,
     OptionError,
     WriterOptions,
 )
@@ -59,7 +60,6 @@ DEFAULT_MAX_JOB_SIZE = 65535          # beanstalkd's default, used when `stats` 
 MARKER_PREFIX = "sbw."
 PARTITION_MARK = re.compile(r"\.(?P<batch>\d+)p(?P<partition>\d+)$")   # the end of a PartitionMark's tube
 MARKER_DELAY = 2**31 - 1              # markers are delayed jobs nobody will ever get
-MAX_BACKOFF = 5.0                     # seconds: longest pause between reconnect rounds
 CHUNK_ROWS = 8192                     # rows per chunk for the Row-based writers
 _INT_TYPES = ("byte", "short", "int", "integer", "long", "bigint", "tinyint", "smallint")
 
@@ -346,14 +346,15 @@ _DESYNC_REPLIES = frozenset({b"BAD_FORMAT", b"EXPECTED_CRLF", b"UNKNOWN_COMMAND"
 class Outage:
     """Every broker is down (a restart, a partition): how long to pause before trying them all again,
     and when to give up. One rule for the rows and for the batch markers: the pause doubles from
-    `retryInterval` up to MAX_BACKOFF, and the wait ends after `retries` rounds once
-    `brokerRetrySeconds` have passed since the outage began (`rounds` counts every pause, for the
-    summary's `reconnect_rounds`)."""
+    `retryInterval` up to RECONNECT_MAX, and the wait ends after `retries` rounds once
+    `brokerRetrySeconds` have passed since the outage began (`rounds` counts every pause and
+    `waited` their seconds, for the summary's `reconnect_rounds` and `reconnect_seconds`)."""
 
     def __init__(self, opts: WriterOptions) -> None:
         self.opts = opts
         self.since: float | None = None    # monotonic time every broker was first found down
         self.rounds = 0
+        self.waited = 0.0
 
     def over(self) -> None:
         """A broker answered: the next outage starts its own clock."""
@@ -372,7 +373,9 @@ class Outage:
         bound, elapsed = self.opts.broker_retry_seconds, self.elapsed()
         step = self.opts.retry_interval * (2 ** min(self.rounds, 6))
         self.rounds += 1
-        time.sleep(min(max(step, 0.05), MAX_BACKOFF, max(bound - elapsed, self.opts.retry_interval)))
+        seconds = min(max(step, 0.05), RECONNECT_MAX, max(bound - elapsed, self.opts.retry_interval))
+        self.waited += seconds
+        time.sleep(seconds)
 
 
 class _HostPool:
@@ -720,7 +723,7 @@ class PartitionWriter:
     def summary(self, rows: int, dead: int, invalid: int, dead_file: str | None = None) -> dict[str, Any]:
         return {"partition": self.partition, "rows": rows, "put": self.put, "buried": self.buried,
                 "dead_lettered": dead, "invalid": invalid, "failovers": self.failovers,
-                "reconnect_rounds": self.pool.outage.rounds,
+                "reconnect_rounds": self.pool.outage.rounds, "reconnect_seconds": self.pool.outage.waited,
                 "hosts": self.per_host, "tubes": self.per_tube, "skipped": False, "resumed": False,
                 "dead_letter_files": [dead_file] if dead_file else []}
 
@@ -985,8 +988,9 @@ class WriteSummary:
     put: int = 0
     buried: int = 0
     dead_lettered: int = 0
-    failovers: int = 0
+    failovers: int = 0                # rows sent to another broker, or again after a wait (each time counted)
     reconnect_rounds: int = 0         # waits for a broker to come back (every broker was down)
+    reconnect_seconds: float = 0.0    # their length, summed over partitions
     partitions: int = 0
     partitions_resumed: int = 0       # found put by an earlier attempt of the batch (same rows): not put again
     skipped: bool = False
@@ -1008,6 +1012,7 @@ class WriteSummary:
             s.dead_lettered += p.get("dead_lettered", 0)
             s.failovers += p.get("failovers", 0)
             s.reconnect_rounds += p.get("reconnect_rounds", 0)
+            s.reconnect_seconds += p.get("reconnect_seconds", 0.0)
             for k, v in (p.get("hosts") or {}).items():
                 s.hosts[k] = s.hosts.get(k, 0) + v
             for k, v in (p.get("tubes") or {}).items():

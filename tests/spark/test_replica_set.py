@@ -114,7 +114,7 @@ def test_writer_puts_through_a_leader_failover(spark, replica_set):
     killer = threading.Thread(target=_end_leader_when, args=(rs, rows // 3, killed), daemon=True)
     killer.start()
     started = time.monotonic()
-    summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window, retryInterval=0.2).write(df)
+    summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window).write(df)
     elapsed = time.monotonic() - started
     killer.join(30)
     assert killed, "the leader was not killed during the write"
@@ -141,13 +141,16 @@ def test_writer_puts_every_row_once_through_a_planned_leader_restart(spark, repl
     stopped: list[Any] = []
     stopper = threading.Thread(target=_end_leader_when, args=(rs, rows // 3, stopped, True), daemon=True)
     stopper.start()
-    summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window, retryInterval=0.2).write(df)
+    summary = beanstalk_put.options(hosts=rs.hosts, tube="w", window=window).write(df)  # default backoff
     stopper.join(30)
     assert stopped, "the leader was not stopped during the write"
     assert summary.reconnect_rounds >= 1, "the write finished before the leader went down"
     new = _new_leader(rs, stopped[0])
     counts = Counter(int(b) for b in drain_tube(new, "w"))
     print(f"writer through a planned restart: duplicates {sum(c - 1 for c in counts.values())}, "
-          f"reconnect rounds {summary.reconnect_rounds}")
+          f"reconnect rounds {summary.reconnect_rounds}, paused {summary.reconnect_seconds:.2f}s")
     assert set(counts) == set(range(rows))
     assert max(counts.values()) == 1, [row for row, c in counts.items() if c > 1][:10]
+    # the new leader takes puts ~0.2 s after the stop, so the pauses stay short: from 0.1 s, doubling
+    # (the old default began at 1 s: every pause at least that)
+    assert summary.reconnect_seconds / summary.reconnect_rounds < 1.0, summary

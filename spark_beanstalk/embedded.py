@@ -93,15 +93,77 @@ class ServerExitedEarly(RuntimeError):
     """The server process ended before it accepted a connection (a port taken, a bad flag)."""
 
 
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the sockets listening on TCP `port` (any address); None without Linux's /proc."""
+    found: set[str] = set()
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():
+        return None
+    for table in tables:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                found.add(cols[9])
+    return found
+
+
+def _process_tree(root: int) -> set[int]:
+    """`root` and every process descended from it (a launcher script's server, for one)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` (or a descendant) holds a socket listening on TCP `port`.
+
+    Why: two servers handed the same free port start together; the one that loses the bind
+    exits a moment later, and until then a bare connect reaches the winner, so a caller
+    would take the other's server for its own. True where /proc cannot tell.
+    """
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    for tree_pid in _process_tree(pid):
+        try:
+            fds = list(Path(f"/proc/{tree_pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                return True
+    return False
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll until a TCP connect succeeds; ServerExitedEarly at once if the process died."""
+    """Poll until a TCP connect succeeds (and, given the process, until it is the one listening);
+    ServerExitedEarly at once if the process died."""
 
     def listening() -> bool:
         if proc is not None and proc.poll() is not None:
             raise ServerExitedEarly(
                 f"server process exited with code {proc.returncode} before listening on {host}:{port}")
         with socket.create_connection((host, port), timeout=0.5):
-            return True
+            return proc is None or listens_on(proc.pid, port)
 
     wait_until(listening, timeout, f"a listener on {host}:{port}", interval=0.02, retry_on=(OSError,))
 

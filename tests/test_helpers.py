@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from spark_beanstalk.embedded import PORT_POOL_LOW, ephemeral_ports
+from spark_beanstalk.embedded import PORT_POOL_LOW, ephemeral_ports, listens_on
 from tests.helpers import broker_process, free_port, wait_until
 
 
@@ -84,6 +84,31 @@ def test_server_on_a_taken_port_moves_to_a_free_one() -> None:
         proc.start()
         try:
             assert proc.port != taken and proc.argv[proc.argv.index("-p") + 1] == str(proc.port)
+            with socket.create_connection((proc.host, proc.port), timeout=5) as conn:
+                conn.sendall(b"list-tube-used\r\n")
+                assert conn.recv(100) == b"USING default\r\n"
+        finally:
+            proc.stop()
+
+
+def test_a_server_that_loses_its_port_to_another_listener_moves_on() -> None:
+    """Two servers handed the same port: the one that loses the bind exits a moment later, and
+    until then a connect reaches the winner. start() must not take the winner for its own server.
+
+    The mechanism behind the two one-off failures of the fifteenth session (a broker that seemed
+    to listen, then EOF or "connection refused"): here the winner is this test's own listener.
+    """
+    proc = broker_process()
+    with socket.socket() as winner:
+        winner.bind(("127.0.0.1", 0))
+        winner.listen(8)
+        taken = winner.getsockname()[1]
+        proc.port = taken
+        proc.argv[proc.argv.index("-p") + 1] = str(taken)
+        proc.start()
+        try:
+            assert proc.port != taken                         # moved on once its bind had failed
+            assert listens_on(proc.pid, proc.port) and not listens_on(proc.pid, taken)
             with socket.create_connection((proc.host, proc.port), timeout=5) as conn:
                 conn.sendall(b"list-tube-used\r\n")
                 assert conn.recv(100) == b"USING default\r\n"

@@ -15,7 +15,7 @@ from broker import queue_verbs
 from broker.queue import Client, Queue
 from broker.replication import wire
 from broker.replication.follower import Applier, Position
-from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource
+from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource, SyncHold
 
 NS = 1_000_000_000
 
@@ -442,3 +442,44 @@ def test_a_snapshot_gives_up_when_more_is_logged_meanwhile_than_the_backlog_hold
 
     assert asyncio.run(busy_meanwhile()) is False
     assert session.closed and source.sessions == [] and source.catch_ups["snapshot"] == 0
+
+
+class _Client:
+    """Stands in for a client connection: collects the replies the hold lets out."""
+
+    transport = None
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def test_sync_hold_keeps_a_new_terms_first_put_until_a_replica_has_it():
+    """--sync-replicas 1: a member that leads again starts its seq at 0. Its first put of the new term
+    ends at seq 1, as its last group of the old term did; the hold compared seqs alone, took the put
+    for a group that logged nothing, and acknowledged it before any replica had the record."""
+    queue, source = _leader(epoch=10)
+    hold = SyncHold(source, 1, lambda: True)
+    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+    source.sessions.append(session)
+    c = queue_verbs.connect(queue, lambda _r: None)
+    first = _Client()
+    queue.put(c, 0, 0, 60, b"old term")  # seq 1 of epoch 10
+    assert hold.hold([(first, b"INSERTED 1\r\n")]) is True and first.sent == []  # type: ignore[list-item]
+    source.acknowledged(session, 10, 1)
+    assert first.sent == [b"INSERTED 1\r\n"]
+
+    hold.abort()  # step down, then lead epoch 20 with a replica that has acknowledged nothing
+    source.stop()
+    source.start(20)
+    fresh = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+    source.sessions.append(fresh)
+    second = _Client()
+    queue.put(c, 0, 0, 60, b"new term")  # seq 1 of epoch 20
+    assert source.acked_by(1) == 0
+    assert hold.hold([(second, b"INSERTED 2\r\n")]) is True  # type: ignore[list-item]
+    assert second.sent == []  # held: no replica has the record
+    source.acknowledged(fresh, 20, 1)
+    assert second.sent == [b"INSERTED 2\r\n"]

@@ -302,7 +302,9 @@ class SyncHold:
         self.may_ack = may_ack
         self.waiting: deque[tuple[int, list[tuple[BrokerConnection, bytes]]]] = deque()
         self.held: dict[BrokerConnection, int] = {}  # connection -> groups of it waiting
-        self.last_seq = 0
+        # (epoch, seq) after the last group: seq starts again at 0 in every term, so a seq alone
+        # could match the previous term's and pass a group that logged records as one that did not
+        self.last_mark = (0, 0)
         source.on_ack = self.release
 
     def hold(self, replies: list[tuple[BrokerConnection, bytes]]) -> bool:
@@ -310,8 +312,9 @@ class SyncHold:
         if not source.active:
             return False  # not leading: nothing here acknowledges a change (the gate refused them)
         target = source.seq
-        logged = target != self.last_seq
-        self.last_seq = target
+        mark = (source.epoch, target)
+        logged = mark != self.last_mark
+        self.last_mark = mark
         if not self.waiting and source.acked_by(self.needed) >= target and self.may_ack():
             return False
         if not logged:

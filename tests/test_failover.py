@@ -19,7 +19,8 @@ import time
 import pytest
 
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
-from tests.helpers import ReplicaSet, TcpProxy, etcd_process, member_process, member_stats, wait_until
+from tests.helpers import ReplicaSet, TcpProxy, etcd_process, free_port, member_process, member_stats, wait_until
+from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 FAILOVER_LIMIT = 3.0
 # A snapshot of 300,000 jobs in one step held the leader's loop 0.8 s on the Intel Xeon VM (150,000 already outlasted
@@ -556,3 +557,31 @@ def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):
         assert tube["pause"] == 60 and 50 < tube["pause-time-left"] <= 60, tube
         conn.watch("held")
         assert conn.reserve(timeout=0) is None  # the job is ready, but its tube is paused
+
+
+def test_a_tls_replica_under_etcd_keeps_its_stream(tmp_path, etcd, started, certs):  # noqa: F811
+    """Every election poll (0.1 s) tells a replica where the leader is; it keeps its stream when the
+    target is unchanged. With TLS the target held a new SSL context each time, and contexts compare
+    by identity: the replica reconnected at every poll (and could never finish a long snapshot)."""
+    tls = ["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+           "--replication-ca", str(certs / "ca.crt")]
+    for n in range(2):
+        m = member_process(str(tmp_path / f"m{n}"), etcd=f"http://{etcd.address}", name=f"m{n}",
+                           extra_args=[*tls, "--tls-port", str(free_port())], stderr_path=str(tmp_path / f"m{n}.log"))
+        started.append(m.start())
+        if n == 0:
+            wait_until(lambda: _one_leader(started[:1]), 15, what="the first member leads")
+    leader, replica = started
+    wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="the TLS replica joined")
+    joined = member_stats(leader)
+    assert joined is not None
+    joins = joined["replication-joined-by-backlog"] + joined["replication-joined-by-snapshot"]
+    deadline = time.monotonic() + 1.5  # fifteen election polls
+    while time.monotonic() < deadline:
+        stats = member_stats(leader)
+        assert stats is not None
+        assert stats["replication-joined-by-backlog"] + stats["replication-joined-by-snapshot"] == joins, stats
+        time.sleep(0.1)
+    with Connection(leader.host, leader.port) as conn:
+        conn.put(b"over tls")
+    wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="the put replicated")

@@ -114,6 +114,7 @@ class Member:
         self._listener: asyncio.base_events.Server | None = None
         self.binlog: QueueListener | None = None  # this member's own binlog (member_listener)
         self.leadership: EtcdLeadership | None = None
+        self._ssl: ssl.SSLContext | None = None  # made once: contexts compare by identity (follow())
 
     # -- installation --------------------------------------------------------------------
     def install(self, server: BrokerServer) -> None:
@@ -294,9 +295,14 @@ class Member:
         self.server.timer.check()
 
     def _client_ssl(self) -> ssl.SSLContext | None:
+        """One context for the member's life: follow() keeps a stream whose target is unchanged,
+        and a new context on every poll made every target new (a TLS replica reconnected every
+        0.1 s and never finished a snapshot)."""
         if self.config.ca_file is None:
             return None
-        return ssl.create_default_context(cafile=self.config.ca_file)
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context(cafile=self.config.ca_file)
+        return self._ssl
 
     def _save(self) -> None:
         with contextlib.suppress(OSError):

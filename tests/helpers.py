@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from spark_beanstalk.embedded import (
 
 __all__ = [
     "BatchFiles",
+    "EtcdProxy",
     "ServerExitedEarly",
     "ReplicaSet",
     "ServerProcess",
@@ -143,6 +145,72 @@ class TcpProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+class EtcdProxy:
+    """An HTTP forwarder on 127.0.0.1:<free port> to etcd's JSON gateway, for etcd-fault tests.
+
+    ``fail(path, n)`` answers the next ``n`` requests to ``path`` (e.g. ``/v3/kv/put``) with a 503
+    and forwards nothing; ``delay(path, seconds)`` holds every answer to ``path`` that long after
+    etcd gave it (a slow etcd round trip). Threads, like TcpProxy.
+    """
+
+    def __init__(self, target: str) -> None:
+        import http.server
+
+        self.target = target if "://" in target else "http://" + target
+        self.failures: dict[str, int] = {}
+        self.delays: dict[str, float] = {}
+        self.failed: list[str] = []
+        self.seen: list[str] = []  # the path of every request, as it arrives
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the http.server name)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path
+                proxy.seen.append(path)
+                if proxy.failures.get(path, 0) > 0:
+                    proxy.failures[path] -= 1
+                    proxy.failed.append(path)
+                    self._answer(503, b"injected failure")
+                    return
+                request = urllib.request.Request(proxy.target + path, data=body,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as resp:
+                        status, data = resp.status, resp.read()
+                except urllib.error.HTTPError as exc:
+                    status, data = exc.code, exc.read()
+                delay = proxy.delays.get(path, 0.0)
+                if delay:
+                    threading.Event().wait(delay)
+                self._answer(status, data)
+
+            def _answer(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.address = f"127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, name="etcd-proxy", daemon=True).start()
+
+    def fail(self, path: str, n: int = 1) -> None:
+        self.failures[path] = self.failures.get(path, 0) + n
+
+    def delay(self, path: str, seconds: float) -> None:
+        self.delays[path] = seconds
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 

@@ -8,6 +8,7 @@ rejoins as a replica and catches up.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -19,7 +20,16 @@ import time
 import pytest
 
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
-from tests.helpers import ReplicaSet, TcpProxy, etcd_process, free_port, member_process, member_stats, wait_until
+from tests.helpers import (
+    EtcdProxy,
+    ReplicaSet,
+    TcpProxy,
+    etcd_process,
+    free_port,
+    member_process,
+    member_stats,
+    wait_until,
+)
 from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 FAILOVER_LIMIT = 3.0
@@ -585,3 +595,89 @@ def test_a_tls_replica_under_etcd_keeps_its_stream(tmp_path, etcd, started, cert
     with Connection(leader.host, leader.port) as conn:
         conn.put(b"over tls")
     wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="the put replicated")
+
+
+def _member_keys(etcd) -> list[str]:
+    """The member keys registered in etcd (etcd's JSON gateway, read directly)."""
+    import base64
+    import urllib.request
+
+    prefix = b"/spark-beanstalk/members/"
+    body = {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(prefix[:-1] + b"0").decode()}
+    request = urllib.request.Request(f"http://{etcd.address}/v3/kv/range", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        kvs = json.load(resp).get("kvs", [])
+    return sorted(base64.b64decode(kv["key"]).decode()[len(prefix):] for kv in kvs)
+
+
+def test_a_member_whose_registration_failed_registers_again(tmp_path, etcd, started):
+    """A replica's first put of its member key fails (etcd hiccups). It kept the lease and never wrote
+    the key: elections, which ask only members with a key, then ignored it, while its acks still
+    released --sync-replicas replies. Killing the leader elected an empty new member and the replica
+    was snapshotted to nothing: acknowledged puts lost. It registers again at the next poll now."""
+    leader = member_process(str(tmp_path / "L"), etcd=f"http://{etcd.address}", name="L", sync_replicas=1,
+                            stderr_path=str(tmp_path / "L.log"))
+    started.append(leader.start())
+    wait_until(lambda: _one_leader([leader]), 15, what="L leads")
+    proxy = EtcdProxy(etcd.address)
+    try:
+        proxy.fail("/v3/kv/put")
+        replica = member_process(str(tmp_path / "A"), etcd=f"http://{proxy.address}", name="A", sync_replicas=1,
+                                 stderr_path=str(tmp_path / "A.log"))
+        started.append(replica.start())
+        wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="A follows L")
+        assert proxy.failed == ["/v3/kv/put"]
+        wait_until(lambda: _member_keys(etcd) == ["A", "L"], 10, what="A's member key")
+        with Connection(leader.host, leader.port, timeout=10) as conn:
+            ids = [conn.put(b"acked %d" % i) for i in range(20)]  # each acknowledged once A has it
+        leader.kill()
+        newcomer = member_process(str(tmp_path / "B"), etcd=f"http://{etcd.address}", name="B", sync_replicas=1,
+                                  stderr_path=str(tmp_path / "B.log"))
+        started.append(newcomer.start())
+        new = wait_until(lambda: _one_leader([replica, newcomer]), 15, what="a new leader")
+        assert new is replica, "the member holding every acknowledged put must win"
+        with Connection(new.host, new.port) as conn:
+            assert all(conn.stats_job(i) is not None for i in ids)
+    finally:
+        proxy.close()
+
+
+def test_a_leader_handing_over_acknowledges_nothing_while_it_writes_the_grant(tmp_path, etcd, started):
+    """promote: the leader checks that the target has every record, then writes the grant to etcd, and
+    the target, granted, wins without the position check. The leader stepped down only after that etcd
+    round trip, and meanwhile went on acknowledging puts that another replica had (--sync-replicas 1)
+    but the target did not: lost when the target led. Here the round trip takes 0.8 s (a proxy in front of
+    the leader's etcd) and the target is stopped (SIGSTOP) during it, as a slow target would be."""
+    import signal
+
+    proxy = EtcdProxy(etcd.address)
+    try:
+        members = _start_cluster(tmp_path, started, [proxy.address, etcd.address, etcd.address], sync=1, ttl=2)
+        leader, target = members[0], members[2]
+        proxy.delay("/v3/kv/put", 0.8)  # under the etcd client's 1 s timeout: the grant is written
+        proxy.seen.clear()
+        promote = subprocess.Popen([sys.executable, "-m", "spark_beanstalk.cli", "promote", "-m",
+                                    target.repl_address], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: "/v3/kv/put" in proxy.seen, 15, interval=0.005, what="the leader writing the grant")
+            os.kill(target.pid, signal.SIGSTOP)
+            acked: list[int] = []
+            try:
+                with Connection(leader.host, leader.port, timeout=5) as conn:
+                    deadline = time.monotonic() + 1.5
+                    while time.monotonic() < deadline:
+                        acked.append(conn.put(b"during the grant %d" % len(acked)))
+            except (BeanstalkError, ConnectionLost, OSError):
+                pass  # the leader stepped down: refused or closed, nothing acknowledged
+            os.kill(target.pid, signal.SIGCONT)
+            new = wait_until(lambda: _one_leader(members), 20, what="a leader after the handover")
+            assert new is target
+            with Connection(new.host, new.port, timeout=10) as conn:
+                missing = [i for i in acked if conn.stats_job(i) is None]
+            assert missing == [], f"{len(missing)} of {len(acked)} acknowledged puts lost"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target.pid, signal.SIGCONT)
+            promote.wait(60)
+    finally:
+        proxy.close()

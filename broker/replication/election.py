@@ -98,11 +98,19 @@ class EtcdLeadership:
 
     # -- the lease -------------------------------------------------------------------------
     async def _register(self) -> None:
+        """A lease, then this member's key under it. The lease counts as ours only once the key is
+        written: a member without a key is one elections never ask, so it must not keep a lease
+        (and go on as if registered) after a failed put; the next poll registers afresh."""
         sent = time.monotonic()
         lease, ttl = await self.etcd.grant(self.member.config.lease_ttl)
+        try:
+            await self.etcd.put(self.k_members + self.member.config.name, self.me, lease)
+        except EtcdError:
+            with contextlib.suppress(EtcdError):  # unreachable: it expires by itself
+                await self.etcd.revoke(lease)
+            raise
         self.lease = lease
         self.member.lease_until = sent + ttl - self.margin
-        await self.etcd.put(self.k_members + self.member.config.name, self.me, lease)
 
     def renewed(self, lease: int, sent: float, ttl: int) -> None:
         """A keep-alive sent at `sent` came back (on the keeper's thread): extend the lease, or, if etcd
@@ -170,12 +178,18 @@ class EtcdLeadership:
             return
         source = self.member.source
         if any(s.name == target and s.acked >= source.seq for s in source.sessions):
-            # granted only now, while we lead and the target has every record: it may skip the position check
-            granted = json.dumps({"target": target, "granted": True}).encode()
-            await self.etcd.put(self.k_handover, granted, handover.lease)
+            # The target has every record: step down at once, in the same step as that check, so no
+            # change can be acknowledged after it (another replica's acks would otherwise release
+            # replies while the grant is written, and the target, skipping the position check, would
+            # win without those records). Then grant: it may skip the check. If writing the grant
+            # fails, the lease goes back and an ordinary election follows.
             self.member.no_candidacy_until = time.monotonic() + 3 * self.member.config.lease_ttl
             self.member.step_down(f"handing over to {target}")
-            await self._drop_lease()
+            granted = json.dumps({"target": target, "granted": True}).encode()
+            try:
+                await self.etcd.put(self.k_handover, granted, handover.lease)
+            finally:
+                await self._drop_lease()
 
     # -- elections ---------------------------------------------------------------------------
     async def _elect(self) -> None:

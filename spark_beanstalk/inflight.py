@@ -385,15 +385,17 @@ class InFlight:
     def cleanup(self, start: Offset) -> None:
         """Delete the jobs of the committed batch `start` (and the deletes it carries) that are
         back in ready: the previous run died between Spark's commit and its deletes."""
-        for what, entries in (("the committed batch", offset_jobs(start)),
-                              ("earlier committed batches", offset_pending(start))):
-            for addr, bj in sorted(entries.items()):
-                b = self.link(addr)
-                if b is None:
-                    continue
-                self.wait_up(b)
-                with b.lock:
-                    cleanup_broker(b, bj, what, self.opts.replay_wait_seconds)
+        self._clean("the committed batch", offset_jobs(start))
+        self._clean("earlier committed batches", offset_pending(start))
+
+    def _clean(self, what: str, entries: dict[str, BrokerJobs]) -> None:
+        for addr, bj in sorted(entries.items()):
+            b = self.link(addr)
+            if b is None:
+                continue
+            self.wait_up(b)
+            with b.lock:
+                cleanup_broker(b, bj, what, self.opts.replay_wait_seconds)
 
     def replay(self, end: Offset) -> Batch:
         """Rebuild a planned-but-uncommitted batch from its offset alone (restart from a checkpoint)."""
@@ -412,6 +414,10 @@ class InFlight:
                                 "%s); its jobs will be read again as new jobs", addr, seq, bj.sid, b.sid)
                     continue
                 replay_broker(b, batch, bj, self.opts.replay_wait_seconds, self._admit_replayed)
+        # The deletes `end` carries are owed by batches before it, committed when it was planned (a
+        # broker was down then). The run that owed them is gone: do them now, before anything can
+        # reserve those jobs again (latestOffset's cleanup skips a replayed batch).
+        self._clean("earlier committed batches", offset_pending(end))
         batch.offset = end
         self.batches[seq] = batch
         return batch

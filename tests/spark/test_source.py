@@ -17,7 +17,7 @@ import pytest
 from spark_beanstalk.client import Connection, encode_put
 from spark_beanstalk.offsets import decode_ranges, encode_ranges, make_offset
 from spark_beanstalk.options import OptionError, SourceOptions
-from tests.helpers import free_port, wait_until
+from tests.helpers import broker_process, free_port, wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -440,6 +440,53 @@ def test_reader_stop_during_read_ahead_releases_everything_and_never_reconnects(
     with pytest.raises(BeanstalkSourceError, match="stopped"):
         r.latestOffset(start, ReadMaxRows(1000))
     assert int(conn.stats()["current-connections"]) == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_replayed_batch_does_the_deletes_it_carries(tmp_path, conn_factory):
+    """Brokers A and B; B dies while batch 1 runs, Spark commits batch 1 (B's deletes are owed, and
+    batch 2's offset carries them), the driver dies during batch 2 and B comes back from its binlog
+    with batch 1's jobs ready again. The restarted reader replays batch 2: it must also do the deletes
+    batch 2 carries, or batch 1's committed jobs on B are read again into batch 3."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
+
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    a = broker_process(extra_args=["-b", str(a_dir)]).start()
+    b = broker_process(extra_args=["-b", str(b_dir)]).start()
+    try:
+        put_jobs(conn_factory(a), "dr", [b"a1-%d" % i for i in range(5)])
+        b_ids = put_jobs(conn_factory(b), "dr", [b"b1-%d" % i for i in range(5)])
+        opts = SourceOptions.parse({"hosts": f"{a.address},{b.address}", "tubes": "dr", "prefetch": "false"})
+        first = BeanstalkStreamReader(opts, SCHEMA)
+        start = first.initialOffset()
+        end1 = first.latestOffset(start, ReadMaxRows(100))
+        assert decode_ranges(end1["jobs"][b.address]["ids"]) == b_ids
+        first.partitions(start, end1)
+        b.kill()                                          # B dies while batch 1 is written
+        put_jobs(conn_factory(a), "dr", [b"a2-%d" % i for i in range(5)])
+        end2 = first.latestOffset(end1, ReadMaxRows(100))  # batch 1 committed: A's deletes done, B's owed
+        assert decode_ranges(end2["jobs"][b.address]["del"]) == b_ids, end2
+        _crash(first)                                     # the driver dies during batch 2
+        b.restart()                                       # from its binlog: batch 1's jobs are ready again
+        conn_b = conn_factory(b)
+        wait_until(lambda: tube_counts(conn_b, "dr")["ready"] == 5, 10, what="B's jobs back in ready")
+
+        second = BeanstalkStreamReader(opts, SCHEMA)
+        try:
+            second.partitions(end1, end2)                 # Spark replays batch 2
+            end3 = second.latestOffset(end2, ReadMaxRows(100))
+            again = decode_ranges(end3["jobs"][b.address]["ids"]) if b.address in end3["jobs"] else []
+            assert sorted(set(again) & set(b_ids)) == [], "committed batch 1 read again"
+            assert all(job_state(conn_b, i) is None for i in b_ids)
+        finally:
+            second.stop()
+    finally:
+        a.stop()
+        b.stop()
 
 
 @pytest.mark.timeout(60)

@@ -39,9 +39,11 @@ from spark_beanstalk.options import SourceOptions
 from spark_beanstalk.recovery import reacquire, settle_already_held
 from spark_beanstalk.restart import cleanup_broker, replay_broker
 from spark_beanstalk.source_wire import (
+    NOT_LEADING,
     PIPELINE_WINDOW,
     delete_jobs,
     failed_commands,
+    not_leading,
     stats_jobs,
 )
 from spark_beanstalk.touch import Timing, Toucher
@@ -227,8 +229,12 @@ class InFlight:
         """Pipeline `window` reserves on rc, then stats-job for what came. Returns (kept, reserved)."""
         ids, bodies, others = rc.conn.reserve_many(window)
         for line in others:
-            if line not in (b"TIMED_OUT", b"DEADLINE_SOON"):
-                raise BeanstalkSourceError(f"beanstalk source: {b.address} answered reserve with {line!r}")
+            if line in (b"TIMED_OUT", b"DEADLINE_SOON"):
+                continue
+            if line in NOT_LEADING and b.broker.is_cluster:
+                raise not_leading(rc.conn, line, "reserve")  # a fenced leader: find the leader again
+            raise BeanstalkSourceError(f"beanstalk source: {b.address} answered reserve with {line!r}"
+                                       + (" (a replica: list the set as cluster:...)" if line in NOT_LEADING else ""))
         if not ids:
             return 0, 0
         return self._admit(b, rc, batch, ids, bodies), len(ids)

@@ -20,10 +20,12 @@ from spark_beanstalk.brokers import BrokerLink, ResConn
 from spark_beanstalk.client import Connection, ConnectionLost
 from spark_beanstalk.offsets import DIGEST_BLOCK, BrokerJobs, block_digests, body_digest
 from spark_beanstalk.source_wire import (
+    NOT_LEADING,
     PIPELINE_WINDOW,
     Identity,
     delete_jobs,
     inspect_jobs,
+    not_leading,
 )
 
 log = logging.getLogger("spark_beanstalk.source")
@@ -109,6 +111,8 @@ def _reserve_again(b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], col
     for jid, (line, body) in zip(ids, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in ids]), strict=False):
         if line.startswith(b"RESERVED ") and body is not None and body_digest(body) == cols.digests[index[jid]]:
             got.append(jid)
+        elif line in NOT_LEADING:
+            raise not_leading(rc.conn, line, "reserve-job")  # not gone: asked of a member that does not lead
         else:
             lost.append(jid)
     b.hold(rc, batch, got, [cols.ttrs[index[j]] for j in got], time.monotonic())

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from spark_beanstalk.client import Connection, split_replies
+from spark_beanstalk.client import Connection, ConnectionLost, split_replies
 from spark_beanstalk.offsets import body_digest
 
 PIPELINE_WINDOW = 1024
@@ -131,16 +131,36 @@ def _stats_jobs_slow(raw: bytes, ids: Sequence[int]) -> JobStats:
     return out
 
 
+# What a replicated member that may not change the queue (a replica, or a leader whose lease
+# lapsed and that has not stepped down yet) answers to a change; beanstalkd never answers the
+# source's commands (reserve, delete, touch, release, bury, reserve-job) with either.
+NOT_LEADING = frozenset({b"OUT_OF_MEMORY", b"DRAINING"})
+
+
+def not_leading(conn: Connection, line: bytes, command: str) -> ConnectionLost:
+    """The member on `conn` no longer leads: as good as a lost connection (find the leader again,
+    re-acquire what was held there), never a sign that a job is gone."""
+    return ConnectionLost("NOT_LEADING", command,
+                          f"{conn.host}:{conn.port} answered {line.decode()}: it does not lead (now)")
+
+
 def failed_commands(conn: Connection, commands: Sequence[bytes], ok: bytes) -> list[int]:
     """Send commands with one-line replies (delete, touch, release, bury) in runs of
-    PIPELINE_WINDOW; returns the indexes of those whose reply was not `ok` (usually none)."""
+    PIPELINE_WINDOW; returns the indexes of those whose reply was not `ok` (usually none).
+
+    ConnectionLost if the member refused them as one that does not lead (NOT_LEADING).
+    """
     failed: list[int] = []
     want = ok + b"\r\n"
     for lo in range(0, len(commands), PIPELINE_WINDOW):
         run = commands[lo:lo + PIPELINE_WINDOW]
         raw = conn.bulk(b"".join(run))
         if raw.count(want) != len(run):
-            failed.extend(lo + i for i, line in enumerate(raw.split(b"\r\n")[:len(run)]) if line != ok)
+            for i, line in enumerate(raw.split(b"\r\n")[:len(run)]):
+                if line in NOT_LEADING:
+                    raise not_leading(conn, line, run[i].split(b" ", 1)[0].decode())
+                if line != ok:
+                    failed.append(lo + i)
     return failed
 
 

@@ -154,3 +154,40 @@ def test_writer_puts_every_row_once_through_a_planned_leader_restart(spark, repl
     # the new leader takes puts ~0.2 s after the stop, so the pauses stay short: from 0.1 s, doubling
     # (the old default began at 1 s: every pause at least that)
     assert summary.reconnect_seconds / summary.reconnect_rounds < 1.0, summary
+
+
+def test_a_member_that_does_not_lead_is_a_lost_connection_not_lost_jobs(replica_set):
+    """A leader whose lease lapsed (a pause, a VM stall) answers the changes it reads before it steps
+    down as a replica does: OUT_OF_MEMORY (DRAINING to a put). The source counted a touch or delete
+    so answered as a job gone (and let it go: read again later), and a reserve so answered failed the
+    query. It is a lost connection now: find the leader again, re-acquire. Shown against a replica,
+    which answers the same way every time; a lone broker (not listed as cluster:) gets a clear error."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.options import SourceOptions
+    from spark_beanstalk.source import SCHEMA, BeanstalkSourceError, BeanstalkStreamReader
+    from spark_beanstalk.source_wire import delete_jobs, failed_commands
+
+    rs = replica_set
+    leader = rs.leader()
+    assert leader is not None
+    replica = next(m for m in rs.members if m is not leader)
+    with Connection(leader.host, leader.port) as conn:
+        conn.use("nl")
+        ids = [conn.put(b"nl%d" % i) for i in range(3)]
+        assert failed_commands(conn, [b"touch %d\r\n" % ids[0]], b"TOUCHED") == [0]  # NOT_FOUND: not ours
+    wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="the replica has the jobs")
+    with Connection(replica.host, replica.port) as conn:
+        with pytest.raises(ConnectionLost, match="does not lead"):
+            failed_commands(conn, [b"touch %d\r\n" % i for i in ids], b"TOUCHED")
+    with Connection(replica.host, replica.port) as conn, pytest.raises(ConnectionLost, match="does not lead"):
+        delete_jobs(conn, ids)
+    reader = BeanstalkStreamReader(SourceOptions.parse({"hosts": replica.address, "tubes": "nl",
+                                                        "prefetch": "false"}), SCHEMA)
+    try:
+        with pytest.raises(BeanstalkSourceError, match=r"OUT_OF_MEMORY.*a replica: list the set as cluster:"):
+            reader.latestOffset(reader.initialOffset(), ReadMaxRows(10))
+    finally:
+        reader.stop()
+    with Connection(leader.host, leader.port) as conn:
+        assert all(conn.stats_job(i) is not None for i in ids)  # nothing was deleted or lost

@@ -177,9 +177,8 @@ def test_a_member_that_does_not_lead_is_a_lost_connection_not_lost_jobs(replica_
         ids = [conn.put(b"nl%d" % i) for i in range(3)]
         assert failed_commands(conn, [b"touch %d\r\n" % ids[0]], b"TOUCHED") == [0]  # NOT_FOUND: not ours
     wait_until(lambda: ReplicaSet.caught_up(leader, replica), 15, what="the replica has the jobs")
-    with Connection(replica.host, replica.port) as conn:
-        with pytest.raises(ConnectionLost, match="does not lead"):
-            failed_commands(conn, [b"touch %d\r\n" % i for i in ids], b"TOUCHED")
+    with Connection(replica.host, replica.port) as conn, pytest.raises(ConnectionLost, match="does not lead"):
+        failed_commands(conn, [b"touch %d\r\n" % i for i in ids], b"TOUCHED")
     with Connection(replica.host, replica.port) as conn, pytest.raises(ConnectionLost, match="does not lead"):
         delete_jobs(conn, ids)
     reader = BeanstalkStreamReader(SourceOptions.parse({"hosts": replica.address, "tubes": "nl",

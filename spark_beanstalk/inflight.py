@@ -4,8 +4,9 @@ touches, read-ahead and deletes.
 The Spark reader (source.py) asks it for a batch (``next_batch``), tells it which batches
 Spark committed (``commit`` + ``flush_deletes``), has it rebuild a batch after a query
 restart (``replay``) and clean up after one (``cleanup``), and reads its counters
-(``report``). Two threads run beside the Spark calls: the touch thread (keeps held jobs
-from timing out) and the worker (owed deletes, reconnecting, read-ahead). Each broker's
+(``report``). Threads run beside the Spark calls: a touch thread per broker (keeps held jobs
+from timing out; one per broker, so a broker that hangs cannot hold up the touches of the
+others) and the worker (owed deletes, reconnecting, read-ahead). Each broker's
 state is guarded by its own lock (``BrokerLink.lock``); the read-ahead pool by
 ``pool_lock``.
 
@@ -71,9 +72,8 @@ class InFlight:
         self.polls = 0
         self.stopping = False
         self.worker_error: BaseException | None = None
-        self.wake = threading.Event()     # touch thread
         self.work = threading.Event()     # worker
-        self.toucher = Toucher(self.brokers, opts.touch_fraction, self.timing, self.wake, self.work)
+        self.touchers = {b.address: Toucher(b, opts.touch_fraction, self.timing, self.work) for b in self.brokers}
         self._threads: list[threading.Thread] = []
 
     # --- life cycle -----------------------------------------------------------------------
@@ -93,7 +93,8 @@ class InFlight:
             log.warning("beanstalk source: resuming from the checkpoint with no broker reachable (%s: %s); "
                         "retrying for up to brokerRetrySeconds=%g", b.address, b.last_error,
                         self.opts.broker_retry_seconds)
-        for target, name in ((self.toucher.run, "beanstalk-touch"), (self._worker_loop, "beanstalk-worker")):
+        runs = [(t.run, f"beanstalk-touch-{n}") for n, t in enumerate(self.touchers.values())]
+        for target, name in (*runs, (self._worker_loop, "beanstalk-worker")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -113,9 +114,10 @@ class InFlight:
         (they did: a worker that lost its socket mid-read-ahead re-reserved the batch on new
         connections that nobody closed). Then waits briefly for both threads to end."""
         self.stopping = True
-        self.toucher.stopping = True
         self.work.set()
-        self.wake.set()
+        for toucher in self.touchers.values():
+            toucher.stopping = True
+            toucher.wake.set()
         for b in self.brokers:
             with b.lock:
                 b.close()
@@ -133,9 +135,10 @@ class InFlight:
         if self.worker_error is not None:
             err, self.worker_error = self.worker_error, None
             raise err
-        if self.toucher.error:
-            log.warning("beanstalk source: touch thread: %s", self.toucher.error)
-            self.toucher.error = None
+        for toucher in self.touchers.values():
+            if toucher.error:
+                log.warning("beanstalk source: touch thread: %s", toucher.error)
+                toucher.error = None
         bound = self.opts.broker_retry_seconds
         for b in self.brokers:
             if b.down_since is not None and b.down_for() > bound:
@@ -263,7 +266,7 @@ class InFlight:
         b.hold(rc, batch, cols.ids, cols.ttrs, time.monotonic())
         self.timing.stats_ms += (time.perf_counter() - t0) * 1000
         if cols.ids:
-            self.wake.set()
+            self.touchers[b.address].wake.set()
         return len(cols.ids)
 
     def _admit_replayed(self, b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], bodies: list[bytes]) -> int:

@@ -1,4 +1,4 @@
-"""The touch thread: keeps every held job from reaching its TTR while its batch runs.
+"""The touch threads (one per broker): keep every held job from reaching its TTR while its batch runs.
 
 beanstalkd gives a reserved job back after its TTR; a batch can run far longer, so each
 connection's jobs are touched once ``touchFraction`` of the smallest TTR it holds has
@@ -32,36 +32,41 @@ class Timing:
 
 
 class Toucher:
-    """Runs in its own thread (``run``) beside the Spark calls and the worker."""
+    """Runs in its own thread (``run``) beside the Spark calls and the worker: one per broker.
 
-    def __init__(self, brokers: list[BrokerLink], fraction: float, timing: Timing, wake: threading.Event,
-                 work: threading.Event) -> None:
-        self.brokers = brokers
+    Why one per broker: a touch, a reconnect or a clean-up holds its broker's lock across network
+    I/O, up to ``socketTimeout`` (or connect timeouts) when the broker has vanished without a
+    reset (a host down, packets dropped). A thread that served every broker waited that long on
+    the lost one while the healthy brokers' jobs went past their TTR and were read again.
+    """
+
+    def __init__(self, broker: BrokerLink, fraction: float, timing: Timing, work: threading.Event) -> None:
+        self.broker = broker
         self.fraction = fraction
         self.timing = timing
-        self.wake = wake          # set when new jobs are held: the next touch may be due sooner
-        self.work = work          # the worker's event: set after a reset so it reconnects
+        self.wake = threading.Event()   # set when new jobs are held here: the next touch may be due sooner
+        self.work = work                # the worker's event: set after a reset so it reconnects
         self.error: str | None = None
         self.stopping = False
 
     def run(self) -> None:
         fraction = self.fraction
+        b = self.broker
         while not self.stopping:
             now = time.monotonic()
             next_due = now + 1.0
-            for b in self.brokers:
-                with b.lock:
-                    groups: dict[ResConn, list[int]] | None = None
-                    for rc in list(b.conns):
-                        if not rc.count or rc.dead:
-                            continue
+            with b.lock:
+                groups: dict[ResConn, list[int]] | None = None
+                for rc in list(b.conns):
+                    if not rc.count or rc.dead:
+                        continue
+                    due = rc.touch_due(fraction)
+                    if due <= now:
+                        if groups is None:
+                            groups = b.held_by_conn()
+                        self._touch_conn(b, rc, groups.get(rc, []))
                         due = rc.touch_due(fraction)
-                        if due <= now:
-                            if groups is None:
-                                groups = b.held_by_conn()
-                            self._touch_conn(b, rc, groups.get(rc, []))
-                            due = rc.touch_due(fraction)
-                        next_due = min(next_due, due)
+                    next_due = min(next_due, due)
             self.wake.wait(max(0.005, next_due - time.monotonic()))
             self.wake.clear()
 

@@ -489,6 +489,46 @@ def test_a_replayed_batch_does_the_deletes_it_carries(tmp_path, conn_factory):
         b.stop()
 
 
+@pytest.mark.timeout(90)
+def test_a_hung_broker_does_not_hold_up_the_touches_of_another(conn_factory):
+    """Brokers A and B; B hangs (SIGSTOP: connections stay open, nothing answers) while a batch holds
+    jobs of both. Touching B waits socketTimeout (3 s here), and so did A's touches when one thread
+    served every broker: A's jobs (TTR 2 s) went past their TTR, back to ready, to be read again.
+    Each broker has its own touch thread now."""
+    import signal
+
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
+
+    a = broker_process().start()
+    b = broker_process().start()
+    conn_a = conn_factory(a)
+    try:
+        a_ids = put_jobs(conn_a, "hb", [b"a%d" % i for i in range(5)], ttr=2)
+        put_jobs(conn_factory(b), "hb", [b"b%d" % i for i in range(5)], ttr=2)
+        opts = SourceOptions.parse({"hosts": f"{a.address},{b.address}", "tubes": "hb", "prefetch": "false",
+                                    "socketTimeout": "3"})
+        reader = BeanstalkStreamReader(opts, SCHEMA)
+        try:
+            end = reader.latestOffset(reader.initialOffset(), ReadMaxRows(100))
+            assert decode_ranges(end["jobs"][a.address]["ids"]) == a_ids
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 7       # two socket timeouts on B, and more
+                while time.monotonic() < deadline:
+                    states = {(job_state(conn_a, i) or {}).get("state") for i in a_ids}
+                    assert states == {"reserved"}, f"A's held jobs went back: {states}"
+                    time.sleep(0.1)
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+        finally:
+            reader.stop()
+    finally:
+        a.stop()
+        b.stop()
+
+
 @pytest.mark.timeout(60)
 def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""

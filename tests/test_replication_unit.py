@@ -483,3 +483,24 @@ def test_sync_hold_keeps_a_new_terms_first_put_until_a_replica_has_it():
     assert second.sent == []  # held: no replica has the record
     source.acknowledged(fresh, 20, 1)
     assert second.sent == [b"INSERTED 2\r\n"]
+
+
+def test_sync_hold_releases_on_the_next_heartbeat_what_an_ack_in_doubt_could_not():
+    """An ack that arrives while the lease is in doubt (lapsed, not yet renewed nor stepped down)
+    releases nothing. Once the lease is renewed, the next tick's heartbeat releases it: no later ack
+    may ever come when the one client is waiting for that very reply."""
+    queue, source = _leader(epoch=3)
+    lease_ok = [True]
+    hold = SyncHold(source, 1, lambda: lease_ok[0])
+    session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
+    source.sessions.append(session)
+    c = queue_verbs.connect(queue, lambda _r: None)
+    client = _Client()
+    queue.put(c, 0, 0, 60, b"in doubt")
+    assert hold.hold([(client, b"INSERTED 1\r\n")]) is True  # type: ignore[list-item]
+    lease_ok[0] = False
+    source.acknowledged(session, 3, 1)
+    assert client.sent == []          # not while the lease is in doubt
+    lease_ok[0] = True                # a late keep-alive renewed it
+    source.heartbeat()
+    assert client.sent == [b"INSERTED 1\r\n"]

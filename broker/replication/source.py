@@ -271,12 +271,16 @@ class ReplicationSource(QueueListener):
             self.on_ack()
 
     def heartbeat(self) -> None:
+        """Every tick while leading. Also gives held replies another chance (``on_ack``): an ack that
+        came while the lease was in doubt released nothing, and no later ack may ever come (one
+        client, waiting for that very reply)."""
         if self.active and self.queue is not None and self.sessions:
             self.sync_point()
             msg = wire.message(wire.M_HEARTBEAT, self.epoch, self.seq, time.time_ns(),
                                wire.NEXT_ID.pack(self.queue.next_id))
             for session in self.sessions:
                 session.send(msg)
+            self.on_ack()
 
     def acked_by(self, n: int) -> int:
         """The newest seq that at least ``n`` connected replicas have."""

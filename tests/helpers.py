@@ -20,6 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from broker.connection import BrokerConnection
+from broker.limits import Limits
+from broker.server import BrokerServer, ServerConfig
 from spark_beanstalk.embedded import (
     ServerExitedEarly,
     ServerProcess,
@@ -37,6 +40,7 @@ from spark_beanstalk.embedded import (
 __all__ = [
     "BatchFiles",
     "EtcdProxy",
+    "FakeTransport",
     "ServerExitedEarly",
     "ReplicaSet",
     "ServerProcess",
@@ -46,9 +50,11 @@ __all__ = [
     "beanstalkd_process",
     "drain_tube",
     "broker_process",
+    "connect",
     "cpu_seconds",
     "etcd_process",
     "free_port",
+    "make_server",
     "last_committed",
     "left_in",
     "member_process",
@@ -473,3 +479,62 @@ def sample(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **
         if all(lab.get(k) == v for k, v in labels.items()):
             return value
     return None
+
+
+# --- in-process protocol tests (as uvicorn tests its protocols) ----------------------------------
+
+class FakeTransport:
+    """What BrokerConnection uses of an asyncio transport, recorded."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.reading = True
+        self.closed = False
+        self.aborted = False
+        self.buffered = 0  # what get_write_buffer_size reports (the client's unread replies)
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "write after close"
+        self.out += data
+        self.writes += 1
+
+    def take(self) -> bytes:
+        data = bytes(self.out)
+        self.out.clear()
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+def make_server(limits: Limits | None = None) -> BrokerServer:
+    return BrokerServer(ServerConfig(limits=limits or Limits()))
+
+
+def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
+    conn = BrokerConnection(server.state)
+    transport = FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn, transport

@@ -12,10 +12,12 @@ import asyncio
 import pytest
 
 from broker import queue_verbs
+from broker.connection import BrokerConnection
 from broker.queue import Client, Queue
 from broker.replication import wire
 from broker.replication.follower import Applier, Position
 from broker.replication.source import Predecessor, ReplicaSession, ReplicationSource, SyncHold
+from tests.helpers import FakeTransport, connect, make_server
 
 NS = 1_000_000_000
 
@@ -204,6 +206,7 @@ def _old_leader_with(replicas: list[Member], cut: int = 0) -> ReplicationSource:
     the last replica (it was a little behind when the leader died)."""
     leader, source = _leader()
     sinks = [r.follow(source) for r in replicas]
+    source.heartbeat()  # the leader's next tick: its seq tells a snapshotted replica when it is exact
     _workload(leader)
     source.sync_point()
     for r, sink in zip(replicas, sinks, strict=True):
@@ -319,7 +322,14 @@ def test_a_snapshot_sent_in_pieces_ends_in_the_leaders_state_while_the_queue_cha
     leader.put(c, 0, 0, 60, b"after")  # the live stream, now that the replica has joined it
     source.sync_point()
     applier = Applier(replica, Position())
-    applier.apply(wire.split_messages(bytearray(sink.data)))
+    messages = wire.split_messages(bytearray(sink.data))
+    end = next(n for n, m in enumerate(messages) if m.kind == wire.M_SNAPSHOT_END)
+    applier.apply(messages[:end + 1])
+    # the pieces show jobs as they were after the snapshot's start: not exact at the start
+    assert applier.pos == Position(5, messages[end].seq) and not applier.exact
+    applier.apply(messages[end + 1:])
+    source.heartbeat()  # the leader's seq, known to the replica only from here
+    applier.apply(wire.split_messages(bytearray(sink.data))[len(messages):])
     assert applier.pos == Position(5, source.seq) and applier.exact
     assert _state(replica) == _as_on_a_replica(_state(leader))
 
@@ -444,16 +454,9 @@ def test_a_snapshot_gives_up_when_more_is_logged_meanwhile_than_the_backlog_hold
     assert session.closed and source.sessions == [] and source.catch_ups["snapshot"] == 0
 
 
-class _Client:
-    """Stands in for a client connection: collects the replies the hold lets out."""
-
-    transport = None
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def send(self, data: bytes) -> None:
-        self.sent.append(data)
+def _client() -> tuple[BrokerConnection, FakeTransport]:
+    """A client connection over a fake transport: what the hold lets out lands in its ``out``."""
+    return connect(make_server())
 
 
 def test_sync_hold_keeps_a_new_terms_first_put_until_a_replica_has_it():
@@ -465,24 +468,24 @@ def test_sync_hold_keeps_a_new_terms_first_put_until_a_replica_has_it():
     session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
     source.sessions.append(session)
     c = queue_verbs.connect(queue, lambda _r: None)
-    first = _Client()
+    first, first_out = _client()
     queue.put(c, 0, 0, 60, b"old term")  # seq 1 of epoch 10
-    assert hold.hold([(first, b"INSERTED 1\r\n")]) is True and first.sent == []  # type: ignore[list-item]
+    assert hold.hold([(first, b"INSERTED 1\r\n")]) is True and first_out.take() == b""
     source.acknowledged(session, 10, 1)
-    assert first.sent == [b"INSERTED 1\r\n"]
+    assert first_out.take() == b"INSERTED 1\r\n"
 
     hold.abort()  # step down, then lead epoch 20 with a replica that has acknowledged nothing
     source.stop()
     source.start(20)
     fresh = ReplicaSession("r", Sink())  # type: ignore[arg-type]
     source.sessions.append(fresh)
-    second = _Client()
+    second, second_out = _client()
     queue.put(c, 0, 0, 60, b"new term")  # seq 1 of epoch 20
     assert source.acked_by(1) == 0
-    assert hold.hold([(second, b"INSERTED 2\r\n")]) is True  # type: ignore[list-item]
-    assert second.sent == []  # held: no replica has the record
+    assert hold.hold([(second, b"INSERTED 2\r\n")]) is True
+    assert second_out.take() == b""  # held: no replica has the record
     source.acknowledged(fresh, 20, 1)
-    assert second.sent == [b"INSERTED 2\r\n"]
+    assert second_out.take() == b"INSERTED 2\r\n"
 
 
 def test_sync_hold_releases_on_the_next_heartbeat_what_an_ack_in_doubt_could_not():
@@ -495,12 +498,12 @@ def test_sync_hold_releases_on_the_next_heartbeat_what_an_ack_in_doubt_could_not
     session = ReplicaSession("r", Sink())  # type: ignore[arg-type]
     source.sessions.append(session)
     c = queue_verbs.connect(queue, lambda _r: None)
-    client = _Client()
+    client, out = _client()
     queue.put(c, 0, 0, 60, b"in doubt")
-    assert hold.hold([(client, b"INSERTED 1\r\n")]) is True  # type: ignore[list-item]
+    assert hold.hold([(client, b"INSERTED 1\r\n")]) is True
     lease_ok[0] = False
     source.acknowledged(session, 3, 1)
-    assert client.sent == []          # not while the lease is in doubt
+    assert out.take() == b""          # not while the lease is in doubt
     lease_ok[0] = True                # a late keep-alive renewed it
     source.heartbeat()
-    assert client.sent == [b"INSERTED 1\r\n"]
+    assert out.take() == b"INSERTED 1\r\n"

@@ -11,71 +11,15 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from broker.connection import MAX_BUFFER_WHILE_WAITING, BrokerConnection
+from broker.connection import MAX_BUFFER_WHILE_WAITING
 from broker.limits import Limits
 from broker.queue import QueueListener
 from broker.server import BrokerServer, ServerConfig
-
-
-class FakeTransport:
-    """What BrokerConnection uses of an asyncio transport, recorded."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.reading = True
-        self.closed = False
-        self.aborted = False
-        self.buffered = 0  # what get_write_buffer_size reports (the client's unread replies)
-        self.writes = 0
-
-    def write(self, data: bytes) -> None:
-        assert not self.closed, "write after close"
-        self.out += data
-        self.writes += 1
-
-    def take(self) -> bytes:
-        data = bytes(self.out)
-        self.out.clear()
-        return data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return ("127.0.0.1", 40000) if name == "peername" else default
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return self.buffered
+from tests.helpers import connect, make_server
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), 10))
-
-
-def make_server(limits: Limits | None = None) -> BrokerServer:
-    return BrokerServer(ServerConfig(limits=limits or Limits()))
-
-
-def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
-    conn = BrokerConnection(server.state)
-    transport = FakeTransport()
-    conn.connection_made(transport)  # type: ignore[arg-type]
-    return conn, transport
 
 
 async def settle() -> None:

@@ -83,6 +83,11 @@ class Applier:
         # after a restart (the binlog may hold records past a lagging position file) or mid-snapshot. Only an
         # exact member may take a new leader's epoch without a snapshot (wire.M_NEW_EPOCH).
         self.exact = False
+        # After a snapshot: the leader's seq by the first heartbeat after its end (-1 until that
+        # heartbeat). Each piece shows its jobs as they were when it was made, later than the
+        # snapshot's start, so the queue is the state at its position only once it has applied the
+        # records up to there; before, a new leader must not take it for exact (it would diverge).
+        self.exact_at: int | None = None
         self.tail: deque[wire.StreamRecord] = deque()  # the records of pos.epoch up to pos.seq, newest last
         self.tail_bytes = 0
         self.tail_limit = tail_bytes
@@ -105,6 +110,7 @@ class Applier:
             elif m.kind == wire.M_SNAPSHOT_BEGIN:
                 self.snapshot = set()
                 self.exact = False
+                self.exact_at = None
                 self.clear_tail()
             elif m.kind == wire.M_SNAPSHOT_END:
                 self._end_snapshot(m)
@@ -115,6 +121,11 @@ class Applier:
             else:
                 self.leader_head = max(self.leader_head, m.seq) if m.epoch == self.pos.epoch else m.seq
                 self._bump_next_id(m.payload)
+                if self.exact_at == -1 and m.epoch == self.pos.epoch:
+                    self.exact_at = m.seq
+        if self.exact_at is not None and 0 <= self.exact_at <= self.pos.seq:
+            self.exact = True
+            self.exact_at = None
         if self.lag_records() == 0:
             self.caught_up_at = time.monotonic()
         return moved
@@ -174,7 +185,7 @@ class Applier:
         self.snapshot = None
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = m.seq
-        self.exact = True
+        self.exact_at = -1  # exact once level with the leader's seq of the next heartbeat
         self._bump_next_id(m.payload)
 
     def _bump_next_id(self, payload: bytes) -> None:

@@ -205,6 +205,7 @@ class Member:
             self.hold.abort()
         self.applier.pos = Position(self.epoch, self.source.seq)
         self.applier.exact = True  # every change this member made while leading is one of its records
+        self.applier.exact_at = None
         self.source.stop()
         self._save()
         for conn in list(server.connections):

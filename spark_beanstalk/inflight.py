@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from spark_beanstalk.batch import Batch, JobColumns
@@ -400,11 +402,25 @@ class InFlight:
     def _clean(self, what: str, entries: dict[str, BrokerJobs]) -> None:
         for addr, bj in sorted(entries.items()):
             b = self.link(addr)
-            if b is None:
-                continue
+            if b is not None:
+                self._through_drops(b, partial(cleanup_broker, b, bj, what, self.opts.replay_wait_seconds))
+
+    def _through_drops(self, b: BrokerLink, step: Callable[[], None]) -> None:
+        """Run a restart step (replay, clean-up) on b once it is up; a connection lost meanwhile (the
+        broker restarted too) is ridden through like anywhere else: reset, wait until b is back
+        (re-acquiring what this step already holds), run the step again. Each step skips what it
+        already did, so running it again is safe."""
+        for attempt in range(_RESETS_PER_CALL + 1):
             self.wait_up(b)
             with b.lock:
-                cleanup_broker(b, bj, what, self.opts.replay_wait_seconds)
+                try:
+                    step()
+                    return
+                except ConnectionLost as exc:
+                    b.reset(exc)
+                    b.mark_down(exc)
+                    if attempt == _RESETS_PER_CALL:
+                        raise
 
     def replay(self, end: Offset) -> Batch:
         """Rebuild a planned-but-uncommitted batch from its offset alone (restart from a checkpoint)."""
@@ -416,13 +432,19 @@ class InFlight:
                 log.warning("beanstalk source: batch %d names broker %s, which is not in 'hosts'; skipping its %d "
                             "jobs", seq, addr, len(bj.ids))
                 continue
-            self.wait_up(b)
-            with b.lock:
-                if not bj.digests and bj.sid and b.sid and bj.sid != b.sid:
-                    log.warning("beanstalk source: broker %s restarted since batch %d was planned (server id %s -> "
-                                "%s); its jobs will be read again as new jobs", addr, seq, bj.sid, b.sid)
-                    continue
-                replay_broker(b, batch, bj, self.opts.replay_wait_seconds, self._admit_replayed)
+            if not bj.digests and bj.sid:
+                self.wait_up(b)
+                with b.lock:
+                    if b.sid and bj.sid != b.sid:
+                        log.warning("beanstalk source: broker %s restarted since batch %d was planned (server id "
+                                    "%s -> %s); its jobs will be read again as new jobs", addr, seq, bj.sid, b.sid)
+                        continue
+
+            def step(b: BrokerLink = b, bj: BrokerJobs = bj) -> None:
+                held = {j for j, lot in b.held.items() if lot.batch is batch}  # replayed before a drop
+                replay_broker(b, batch, bj, self.opts.replay_wait_seconds, self._admit_replayed, skip=held)
+
+            self._through_drops(b, step)
         # The deletes `end` carries are owed by batches before it, committed when it was planned (a
         # broker was down then). The run that owed them is gone: do them now, before anything can
         # reserve those jobs again (latestOffset's cleanup skips a replayed batch).

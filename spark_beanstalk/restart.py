@@ -50,12 +50,14 @@ def cleanup_broker(b: BrokerLink, bj: BrokerJobs, what: str, wait_seconds: float
         todo = BrokerJobs(bj.sid, waiting, [])
 
 
-def replay_broker(b: BrokerLink, batch: Batch, bj: BrokerJobs, wait_seconds: float, admit: Admit) -> None:
-    """Reserve again, with reserve-job, the jobs of a planned batch that pass the identity check."""
+def replay_broker(b: BrokerLink, batch: Batch, bj: BrokerJobs, wait_seconds: float, admit: Admit,
+                  skip: frozenset[int] | set[int] = frozenset()) -> None:
+    """Reserve again, with reserve-job, the jobs of a planned batch that pass the identity check
+    (all but `skip`: those the batch holds already, from a try cut short by a lost connection)."""
     ok, rejected, _ = verify_offset_jobs(b, bj)
-    rejected_warning(b, f"batch {batch.seq}", rejected)
+    rejected_warning(b, f"batch {batch.seq}", [j for j in rejected if j not in skip])
     deadline = time.monotonic() + wait_seconds
-    todo = [j for j in bj.ids if j in ok]
+    todo = [j for j in bj.ids if j in ok and j not in skip]
     while todo:
         waiting = _replay_some(b, batch, todo, ok, admit)
         if not waiting or time.monotonic() > deadline:

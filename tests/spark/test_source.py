@@ -529,6 +529,46 @@ def test_a_hung_broker_does_not_hold_up_the_touches_of_another(conn_factory):
         b.stop()
 
 
+@pytest.mark.timeout(90)
+def test_a_replay_rides_through_a_broker_restart(tmp_path, conn_factory):
+    """A restarted query replays its uncommitted batch while the broker restarts too (one job is held
+    by another client, so the replay waits for it, and the broker is killed and started again on its
+    binlog meanwhile). The replay lost its connection and failed the query; now it reconnects, keeps
+    what it had replayed and replays the rest."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from spark_beanstalk.source import SCHEMA, BeanstalkStreamReader
+
+    broker = broker_process(extra_args=["-b", str(tmp_path)]).start()
+    try:
+        conn = conn_factory(broker)
+        ids = put_jobs(conn, "rr", [b"rr%d" % i for i in range(5)])
+        opts = SourceOptions.parse({"hosts": broker.address, "tubes": "rr", "prefetch": "false"})
+        first = BeanstalkStreamReader(opts, SCHEMA)
+        start = first.initialOffset()
+        end = first.latestOffset(start, ReadMaxRows(100))
+        _crash(first)
+        wait_until(lambda: tube_counts(conn, "rr")["ready"] == 5, 10, what="the crashed reader's jobs released")
+        other = Connection(broker.host, broker.port)
+        assert other.reserve_job(ids[0]) is not None          # held elsewhere: the replay waits for it
+        bounce = threading.Thread(target=lambda: (time.sleep(1.0), broker.restart()), daemon=True)
+        bounce.start()
+        second = BeanstalkStreamReader(opts, SCHEMA)
+        try:
+            parts = second.partitions(start, end)              # raised ConnectionLost before the fix
+            bounce.join(30)
+            rows = [row for part in parts for batch in second.read(part) for row in batch.to_pylist()]
+            assert sorted(r["id"] for r in rows) == ids
+            second.latestOffset(end, ReadMaxRows(100))         # committed: every job goes
+            conn_after = conn_factory(broker)
+            wait_until(lambda: all(job_state(conn_after, i) is None for i in ids), 15, what="the batch deleted")
+        finally:
+            second.stop()
+            other.close()
+    finally:
+        broker.stop()
+
+
 @pytest.mark.timeout(60)
 def test_reader_replays_uncommitted_batch_from_offset(server, conn_factory):
     """A fresh reader asked for partitions(end[N-1], end[N]) first rebuilds batch N with reserve-job."""

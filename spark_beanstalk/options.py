@@ -317,7 +317,7 @@ class WriterOptions:
     broker_retry_seconds: float = 180.0       # keep reconnecting this long when every host is down; 0: fail fast
     dedup: bool = True                        # skip a batch id whose completion marker exists
     writer_id: str | None = None              # marker namespace; default: the streaming query id
-    marker_retain: int = 1000                 # markers kept per writer id
+    marker_retain: int = 1000                 # accepted, no longer used: only the last completed batch is skipped
     arrow: bool = True                        # data source: Arrow writer variants
     security: Security = Security()           # tls, caFile, certFile, keyFile, authTokenFile
     brokers: tuple[BrokerAddress, ...] = ()   # from `hosts`: logical brokers (a cluster: is one); see links()

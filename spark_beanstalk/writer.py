@@ -532,7 +532,7 @@ class PartitionWriter:
         if self.opts.distribution == "hash":
             for e in entries:
                 h0 = e[3]
-                for k in range(1, self.n_hosts + 1):
+                for k in range(self.n_hosts):  # its own broker first: back after a wait, or still down
                     h = (h0 + k) % self.n_hosts
                     if h in alive_set:
                         break
@@ -555,7 +555,8 @@ class PartitionWriter:
                 + (f", batch {self.ctx['batch_id']}" if self.ctx.get("batch_id") is not None else "")
                 + f"): no broker accepted the rows after {outage.rounds + 1} attempt(s) over {outage.elapsed():.0f}s "
                 f"(brokerRetrySeconds={self.opts.broker_retry_seconds:g}): {self.pool.unavailable_message()}. "
-                f"{self.put} row(s) of this partition were put, {unsent} were not.")
+                + (f"{self.put} row(s) of this partition were put, {unsent} were not." if unsent >= 0 else
+                   "No row of this partition was sent (none could be checked against a broker's max-job-size)."))
         if outage.rounds == 0 or outage.rounds % 10 == 0:
             log.warning("beanstalk writer (partition %s): every broker is down (%s); retrying for up to %gs",
                         self.partition, self.pool.unavailable_message(), self.opts.broker_retry_seconds)
@@ -573,8 +574,11 @@ class PartitionWriter:
             if conn is None:
                 self._reassign(entries, pending)
                 continue
-            self.pool.outage.over()
+            answered = self.put + self.buried
             retry = self._send_to(h, conn, entries)
+            if self.put + self.buried > answered:
+                self.pool.outage.over()  # a broker took rows; connecting alone ends no outage (one that
+                # accepts connections and refuses or loses every put must not be retried for ever)
             if self._resync:
                 # the reply stream went out of step: the rows after the refused put are
                 # unknown; send them again on a fresh connection to the same broker
@@ -683,9 +687,14 @@ class PartitionWriter:
     def run(self, chunks: Iterable[Chunk], dry_run: bool = False) -> dict[str, Any]:
         opts = self.opts
         try:
-            # connect to every broker first: their max-job-size bounds validation
+            # connect to every broker first: their max-job-size bounds validation; with none up (a
+            # restart) wait for one as the rows would, rather than judge the rows by a guessed limit
             for h in range(self.n_hosts):
                 self.pool.connect(h)
+            while not opts.max_job_size and not self.pool.conns:
+                self._wait_for_brokers(-1)
+                for h in range(self.n_hosts):
+                    self.pool.connect(h)
             sizes = [self.pool.max_job_size[h] for h in self.pool.conns]
             max_job_size = opts.max_job_size or (min(sizes) if sizes else DEFAULT_MAX_JOB_SIZE)
             by_host, bad, rows = self.prepare(chunks, max_job_size)
@@ -821,12 +830,19 @@ def _ask_brokers(opts: WriterOptions, question: Callable[[Connection], bool], wh
 def marker_exists(opts: WriterOptions, namespace: str, batch_id: int) -> str | None:
     """The address of a broker on which this batch is recorded as completed, or None.
 
-    Completed: at most ``markerRetain`` batches behind the last completed batch id.
+    Completed: the last completed batch id. A streaming query re-runs only its last batch, so a
+    batch id below that one is not a replay: the writer id is being reused by a query started
+    from a new checkpoint (its batch ids start again at 0). Skipping those batches lost their
+    rows; they are put, with a warning.
     """
     def completed(conn: Connection) -> bool:
         last = _last_completed(conn, namespace)
-        if last is not None and last - opts.marker_retain < batch_id <= last:
+        if last is not None and batch_id == last:
             return True
+        if last is not None and batch_id < last:
+            log.warning("batch %d is below the last completed batch %d of writer id %s on %s: not a replay (a "
+                        "query started from a new checkpoint with a reused writerId?); putting it",
+                        batch_id, last, namespace, conn.host)
         return _holds_legacy_marker(conn, namespace, batch_id)
 
     return _ask_brokers(opts, completed, f"whether batch {batch_id} completed ({marker_tube(namespace)})")

@@ -149,7 +149,8 @@ def test_all_brokers_down_is_a_clear_error(server):
              brokerRetrySeconds="0")
     msg = str(info.value)
     assert "no broker accepted the rows after 2 attempt(s)" in msg
-    assert addr in msg and "cannot connect" in msg and "2 were not" in msg
+    # none up at the start: the rows waited to be checked against a broker's max-job-size, unsent
+    assert addr in msg and "cannot connect" in msg and "No row of this partition was sent" in msg
 
 
 class _DroppingServer:
@@ -204,6 +205,49 @@ def test_lost_connection_mid_pipeline_resends_the_unanswered_rows(server):
     assert sorted(got) == sorted(b.encode() for b in bodies if b not in acked)   # the rest, once each
 
 
+def test_a_broker_that_refuses_every_put_fails_the_task_after_the_bound(server_factory):
+    """A broker that accepts connections but answers OUT_OF_MEMORY to every put (at --max-jobs, or a
+    full disk): each round reconnected, and a connection ended the outage, so brokerRetrySeconds never
+    ran out and the task retried for ever. Only a put answered ends an outage now."""
+    proc = server_factory("ours", extra_args=["--max-jobs", "10"])
+    started = time.monotonic()
+    with pytest.raises(BeanstalkUnavailableError, match="brokerRetrySeconds=1"):
+        _put({"body": [f"r{i}" for i in range(20)]}, proc.address, tube="full", retries="2",
+             brokerRetrySeconds="1")
+    assert time.monotonic() - started < 15
+    assert len(_bodies(proc, "full")) == 10
+
+
+def test_rows_wait_for_a_broker_before_they_are_checked_against_its_size(server_factory, tmp_path):
+    """No broker answering when a partition starts (a restart): the rows were checked against
+    beanstalkd's default max-job-size (65,535) instead of the broker's, and a valid 100 KB row was
+    refused (or, with deadLetterPath, dead-lettered: gone from the tube). They wait for the broker now."""
+    proc = server_factory("ours", extra_args=["-b", str(tmp_path), "-z", "200000"])
+    restarted = _restart_later(proc, 1.0)
+    try:
+        summary = _put({"body": ["x" * 100_000, "small"]}, proc.address, tube="big", retryInterval="0.1")
+    finally:
+        restarted.join(30)
+    assert summary["put"] == 2 and summary["reconnect_rounds"] >= 1
+    assert sorted(len(b) for b in _bodies(proc, "big")) == [5, 100_000]
+
+
+def test_hashed_rows_go_back_to_their_own_broker_after_a_wait():
+    """keyColumn: rows without an answer are re-sent after every broker was down. Their own broker
+    is up again then, yet they went to the next one: one key on two brokers, out of order."""
+    from spark_beanstalk.writer import PartitionWriter
+
+    o = WriterOptions.parse({"hosts": "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "keyColumn": "k"})
+    writer = PartitionWriter(ColumnSpec.from_schema(SCHEMA, o), o, {"partition": 0})
+    pending: dict[int, list] = {}
+    writer._reassign([(0, "t", b"put", 0, None), (1, "t", b"put", 1, None)], pending)  # own brokers 0 and 1
+    assert {h: [e[3] for e in rows] for h, rows in pending.items()} == {0: [0], 1: [1]}, "every broker counts as up"
+    writer.pool.down[0] = "lost"                      # broker 0 gone (the others up): its key moves on
+    pending = {}
+    writer._reassign([(0, "t", b"put", 0, None)], pending)
+    assert list(pending) == [1]
+
+
 def test_batch_markers(server):
     o = WriterOptions.parse({"hosts": server.address, "markerRetain": "2"})
     ns = marker_namespace("8d2f-query", o, explicit=False)
@@ -211,9 +255,11 @@ def test_batch_markers(server):
     assert write_marker(o, ns, 5, {"put": 3}) == 1
     assert marker_exists(o, ns, 5) == server.address
     write_marker(o, ns, 6, {"put": 3})
-    write_marker(o, ns, 7, {"put": 3})             # drops the marker of batch 5 (retain 2)
-    assert marker_exists(o, ns, 5) is None and marker_exists(o, ns, 7) == server.address
-    assert marker_exists(o, ns, 6) == server.address and marker_exists(o, ns, 8) is None
+    write_marker(o, ns, 7, {"put": 3})
+    assert marker_exists(o, ns, 7) == server.address and marker_exists(o, ns, 8) is None
+    # below the last completed batch: not a replay (a query re-runs only its last batch) but a new
+    # checkpoint reusing the writer id, whose batch ids start again at 0; skipping them lost their rows
+    assert marker_exists(o, ns, 6) is None and marker_exists(o, ns, 0) is None
     with Connection(server.host, server.port) as c:        # one tube, one job: the last completed batch
         assert [t for t in c.list_tubes() if t.startswith("sbw.")] == [marker_tube(ns)]
         assert c.stats_tube(marker_tube(ns))["current-jobs-delayed"] == 1

@@ -167,6 +167,11 @@ class Binlog(SegmentLog):
         self._drop_empty_segments()
         self._maint = True
         self._maintain(full=True)
+        # Room to log the delete of every recovered job, taken now: once the broker serves, another
+        # process may take the free space, and a delete that cannot be logged comes back after a crash.
+        if self._nlive and not self._fit(0, self._nlive * DEL + SLACK):
+            say(f"WARNING: disk full at start: no room set aside to log the deletes of the {self._nlive:,} "
+                f"recovered jobs; free some space (deleted jobs may come back after a crash until then)")
 
     # ------------------------------------------------------------------ listener: writes
     @property
@@ -243,12 +248,15 @@ class Binlog(SegmentLog):
 
     def job_deleted(self, job: Job) -> None:
         if self._alloc - self._pos < DEL and not self._fit(DEL, 0):
-            say(f"ERROR: no room to log the delete of job {job.id}; it would come back after a crash")
-            return
-        fmt.append_delete(self._buf, job.id)
-        self._pos += DEL
-        self._must_sync = True
-        self.records_written += 1
+            say(f"ERROR: no room to log the delete of job {job.id}; it comes back after a crash until the "
+                f"segment holding it is dropped")
+        else:
+            fmt.append_delete(self._buf, job.id)
+            self._pos += DEL
+            self._must_sync = True
+            self.records_written += 1
+        # Counted gone either way: a segment pinned by a job nobody holds would never be dropped
+        # (and dropping it is what finally keeps an unlogged delete from coming back).
         self._nlive -= 1
         self._live_bytes -= FIXED + len(job.tube.name) + len(job.body)
         home = job.file

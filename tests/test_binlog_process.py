@@ -197,6 +197,48 @@ def test_full_disk_refuses_puts_and_keeps_serving(tmp_path):
             proc.kill()
 
 
+def test_a_restart_sets_aside_room_for_the_deletes_of_the_recovered_jobs(tmp_path):
+    """Fill the disk, restart, and let another process take any space left: the restarted broker has
+    no room to log deletes and answers DELETED without logging them. It also kept counting those jobs
+    as live, so their segments were never dropped: after the next crash 1,779 of them came back. Now
+    an unlogged delete still counts, the emptied segments go (taking the jobs' records with them), and
+    recovery sets room aside for the deletes while it can (a warning when it cannot)."""
+    with _small_filesystem("1m") as mnt:
+        d = os.path.join(mnt, "bl")
+        proc = start_ours(d, "-f", "0", "-s", "131072")
+        try:
+            with Connection(proc.host, proc.port) as conn:
+                ids = []
+                while True:
+                    reply = conn.call("put 1 0 60 1", b"x")
+                    if reply.status != b"INSERTED":
+                        assert reply.status == b"OUT_OF_MEMORY", reply
+                        break
+                    ids.append(reply.int_arg())
+            assert len(ids) > 1000
+            proc.kill()
+            proc = start_ours(d, "-f", "0", "-s", "131072")
+            filler = os.path.join(mnt, "filler")
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:
+                with contextlib.suppress(OSError):
+                    while True:  # another process takes every byte left
+                        os.write(fd, b"\0" * 4096)
+            finally:
+                os.close(fd)
+            with Connection(proc.host, proc.port) as conn:
+                # newest first: the oldest segments, whose dropping would free room, stay pinned longest
+                replies = list(conn.pipeline([b"delete %d\r\n" % i for i in reversed(ids)], window=256))
+                assert all(r.status == b"DELETED" for r in replies)
+            proc.kill()
+            os.unlink(filler)
+            proc = start_ours(d, "-f", "0", "-s", "131072")
+            with Connection(proc.host, proc.port) as conn:
+                assert conn.stats()["current-jobs-ready"] == 0, "deleted jobs came back"
+        finally:
+            proc.kill()
+
+
 def _binlog_counts(metrics_addr: str) -> tuple[float, float]:
     """(records writes, fsyncs) of a broker's binlog so far, from its /metrics."""
     _types, samples = scrape(metrics_addr)

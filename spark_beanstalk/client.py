@@ -294,7 +294,16 @@ class Connection:
                     while upto < limit and (upto == sent or size < max_bytes):
                         size += len(commands[upto])
                         upto += 1
-                    self.send(b"".join(commands[sent:upto]))
+                    try:
+                        self.send(b"".join(commands[sent:upto]))
+                    except ConnectionLost:
+                        # The server may have answered what it read before it closed: read those
+                        # replies (until the connection gives no more), or their commands would
+                        # count as unknown and be sent again (duplicates)
+                        with contextlib.suppress(ConnectionLost, OSError):
+                            while len(out) < upto:
+                                out.append(read_one())
+                        raise
                     sent = upto
                 out.append(read_one())
         except ConnectionLost as exc:

@@ -248,6 +248,72 @@ def test_hashed_rows_go_back_to_their_own_broker_after_a_wait():
     assert list(pending) == [1]
 
 
+class _AnswersThenCloses:
+    """A broker stand-in: on its first connection it reads `answer` puts, sends their INSERTED replies
+    at once and closes with puts still unread (a reset), as a broker handing off on SIGTERM does; later
+    connections answer every put. Counts the puts it took."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.taken = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        first = True
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\r\n" not in buf:          # stats (the writer asks for max-job-size)
+                    buf += conn.recv(100)
+                buf = buf[buf.index(b"\r\n") + 2:]
+                stats = b"---\nmax-job-size: 65535\n"
+                conn.sendall(b"OK %d\r\n%s\r\n" % (len(stats), stats))
+                held: list[bytes] = []
+                while not first or len(held) < self.answer:
+                    while buf.count(b"\r\n") < 2:
+                        data = conn.recv(1 if first else 65536)  # leave the rest unread in the kernel
+                        if not data:
+                            break
+                        buf += data
+                    if buf.count(b"\r\n") < 2:
+                        break
+                    end = buf.index(b"\r\n", buf.index(b"\r\n") + 2) + 2
+                    buf = buf[end:]                  # one put: header and body
+                    self.taken += 1
+                    reply = b"INSERTED %d\r\n" % self.taken
+                    if first:
+                        held.append(reply)
+                    else:
+                        conn.sendall(reply)
+                if first:
+                    conn.sendall(b"".join(held))     # the replies go out, then the close (unread input: RST)
+                    first = False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_replies_that_arrived_before_a_failed_send_count():
+    """The broker answers what it read and closes with puts unread. The writer's next send then fails;
+    it kept only the replies it had parsed, so puts whose INSERTED had already arrived were sent again
+    (16 duplicates of 200, every run). It reads what arrived before giving the connection up now."""
+    fake = _AnswersThenCloses(48)
+    try:
+        summary = _put({"body": [f"r{i}" for i in range(200)]}, fake.address, tube="default", window="64")
+        assert summary["put"] == 200
+        assert fake.taken == 200, f"{fake.taken - 200} rows put twice"
+    finally:
+        fake.close()
+
+
 def test_batch_markers(server):
     o = WriterOptions.parse({"hosts": server.address, "markerRetain": "2"})
     ns = marker_namespace("8d2f-query", o, explicit=False)

@@ -44,7 +44,7 @@ from pyspark.sql.datasource import (
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
-from spark_beanstalk.client import Connection, ConnectionLost
+from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
 from spark_beanstalk.leader import open_leader
 from spark_beanstalk.options import (
     MAX_U32,
@@ -341,6 +341,7 @@ class _DeadLetter:
 
 
 _DESYNC_REPLIES = frozenset({b"BAD_FORMAT", b"EXPECTED_CRLF", b"UNKNOWN_COMMAND"})
+_REFUSED_FOR_NOW = frozenset({"DRAINING", "OUT_OF_MEMORY"})  # a marker waits through these, as rows do
 
 
 class Outage:
@@ -966,9 +967,10 @@ def write_marker(opts: WriterOptions, namespace: str, batch_id: int, summary: Ma
 def _on_every_broker(opts: WriterOptions, action: Callable[[Connection], None], what: str) -> int:
     """Run a marker's `action` on every reachable broker; returns on how many it succeeded.
 
-    While every broker is down (a restart, a partition) it tries again as the rows would (`Outage`);
-    a broker that answered but refused ends the wait (trying again would not help). A marker that
-    no broker takes is logged, not raised: the rows it records are put, only replay detection weakens."""
+    While every broker is down (a restart, a partition) or answers only for now (DRAINING, a leader
+    handing over or fenced; OUT_OF_MEMORY, full) it tries again as the rows would (`Outage`); a
+    broker that refused for good ends the wait (trying again would not help). A marker that no
+    broker takes is logged, not raised: the rows it records are put, only replay detection weakens."""
     outage = Outage(opts)
     while True:
         done, errors, refused = 0, [], False
@@ -979,7 +981,9 @@ def _on_every_broker(opts: WriterOptions, action: Callable[[Connection], None], 
                 done += 1
             except Exception as exc:  # noqa: BLE001 - logged: the rows are put
                 errors.append(f"{broker.name}: {exc}")
-                refused = refused or not isinstance(exc, (ConnectionLost, OSError))  # answered, but no
+                for_now = isinstance(exc, (ConnectionLost, OSError)) or (
+                    isinstance(exc, BeanstalkError) and exc.status in _REFUSED_FOR_NOW)
+                refused = refused or not for_now
         if done or refused or outage.exhausted():
             break
         if outage.rounds == 0:

@@ -28,6 +28,7 @@ from spark_beanstalk.writer import (
     put_partition,
     write_marker,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,6 +247,27 @@ def test_hashed_rows_go_back_to_their_own_broker_after_a_wait():
     pending = {}
     writer._reassign([(0, "t", b"put", 0, None)], pending)
     assert list(pending) == [1]
+
+
+def test_a_batch_marker_waits_through_a_draining_broker(server_factory, tmp_path):
+    """A broker answering DRAINING (drain mode before a restart, a leader handing over) refuses only
+    for now: the marker gave up at the first refusal, and a replay of the batch put it again. It
+    waits as the rows do now, and is written once the broker is back."""
+    import os
+
+    proc = server_factory("ours", extra_args=["-b", str(tmp_path)])
+    os.kill(proc.pid, signal.SIGUSR1)                          # drain mode: puts answer DRAINING
+    with Connection(proc.host, proc.port) as c:
+        wait_until(lambda: c.stats().get("draining") in ("true", True), 10, what="drain mode")
+    o = WriterOptions.parse({"hosts": proc.address, "retryInterval": "0.1", "brokerRetrySeconds": "30"})
+    ns = marker_namespace("drain-query", o, explicit=False)
+    restart = threading.Thread(target=lambda: (time.sleep(1.0), proc.restart()), daemon=True)
+    restart.start()
+    try:
+        assert write_marker(o, ns, 3, {"put": 1}) == 1
+    finally:
+        restart.join(30)
+    assert marker_exists(o, ns, 3) == proc.address
 
 
 class _AnswersThenCloses:

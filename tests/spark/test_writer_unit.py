@@ -154,16 +154,29 @@ def test_all_brokers_down_is_a_clear_error(server):
     assert addr in msg and "cannot connect" in msg and "No row of this partition was sent" in msg
 
 
-class _DroppingServer:
+class _StandIn:
+    """A broker stand-in: a listener on a free port whose connections a thread serves (``_run``)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _DroppingServer(_StandIn):
     """Answers `stats`, then INSERTED for the first `answer` puts, then closes the connection."""
 
     def __init__(self, answer: int) -> None:
         self.answer = answer
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(4)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._run, daemon=True).start()
+        super().__init__()
 
     def _run(self) -> None:
         conn, _ = self.sock.accept()
@@ -270,7 +283,7 @@ def test_a_batch_marker_waits_through_a_draining_broker(server_factory, tmp_path
     assert marker_exists(o, ns, 3) == proc.address
 
 
-class _AnswersThenCloses:
+class _AnswersThenCloses(_StandIn):
     """A broker stand-in: on its first connection it reads `answer` puts, sends their INSERTED replies
     at once and closes with puts still unread (a reset), as a broker handing off on SIGTERM does; later
     connections answer every put. Counts the puts it took."""
@@ -278,11 +291,7 @@ class _AnswersThenCloses:
     def __init__(self, answer: int) -> None:
         self.answer = answer
         self.taken = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(4)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._run, daemon=True).start()
+        super().__init__()
 
     def _run(self) -> None:
         first = True
@@ -318,9 +327,6 @@ class _AnswersThenCloses:
                 if first:
                     conn.sendall(b"".join(held))     # the replies go out, then the close (unread input: RST)
                     first = False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_replies_that_arrived_before_a_failed_send_count():
@@ -410,7 +416,7 @@ def test_batch_markers_wait_for_a_restarting_broker(server_factory, tmp_path, ki
     assert time.monotonic() - started < 10
 
 
-class _RefusingServer:
+class _RefusingServer(_StandIn):
     """Answers like beanstalkd to a put it refuses with BAD_FORMAT: the body line then reads as a
     command (UNKNOWN_COMMAND), so the replies run one ahead of the client's commands."""
 
@@ -418,13 +424,9 @@ class _RefusingServer:
         self.refuse_body = refuse_body
         self.bodies: list[bytes] = []
         self.connections = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
+    def _run(self) -> None:
         while True:
             try:
                 conn, _ = self.sock.accept()
@@ -470,9 +472,6 @@ class _RefusingServer:
                 conn.sendall(b"".join(out))
             except OSError:
                 return
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_refused_put_that_desynchronises_replies_is_named_and_the_rest_resent():

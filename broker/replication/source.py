@@ -239,8 +239,14 @@ class ReplicationSource(QueueListener):
         if self._first_held() - 1 > start:  # more was logged meanwhile than the backlog holds
             session.close()
             return False
-        end = wire.message(wire.M_SNAPSHOT_END, epoch, start, time.time_ns(), wire.NEXT_ID.pack(self.queue.next_id))
-        session.send(b"".join([end, *(msg for s, msg in self.backlog if s > start)]))
+        now = time.time_ns()
+        next_id = wire.NEXT_ID.pack(self.queue.next_id)
+        end = wire.message(wire.M_SNAPSHOT_END, epoch, start, now, next_id)
+        # then the records logged meanwhile, and a heartbeat naming the newest: the replica's queue
+        # is exactly the state at its position once it has applied up to there (the pieces show
+        # jobs as they were when each was made, later than `start`)
+        head = wire.message(wire.M_HEARTBEAT, epoch, self.seq, now, next_id)
+        session.send(b"".join([end, *(msg for s, msg in self.backlog if s > start), head]))
         self.sessions.append(session)
         self.catch_ups["snapshot"] += 1
         return True

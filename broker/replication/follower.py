@@ -84,9 +84,10 @@ class Applier:
         # exact member may take a new leader's epoch without a snapshot (wire.M_NEW_EPOCH).
         self.exact = False
         # After a snapshot: the leader's seq by the first heartbeat after its end (-1 until that
-        # heartbeat; the leader sends one right behind the records that follow the end). Each piece shows its jobs as they were when it was made, later than the
-        # snapshot's start, so the queue is the state at its position only once it has applied the
-        # records up to there; before, a new leader must not take it for exact (it would diverge).
+        # heartbeat; the leader sends one right behind the records that follow the end). Each
+        # piece shows its jobs as they were when it was made, later than the snapshot's start, so
+        # the queue is the state at its position only once it has applied the records up to
+        # there; before, a new leader must not take it for exact (it would diverge).
         self.exact_at: int | None = None
         self.tail: deque[wire.StreamRecord] = deque()  # the records of pos.epoch up to pos.seq, newest last
         self.tail_bytes = 0

@@ -241,6 +241,20 @@ class BrokerLink:
                     lot.rc.min_ttr = 0
             self.waiting_since.pop(jid, None)
 
+    def orphan(self, rc: ResConn, ids: list[int]) -> None:
+        """Jobs that `rc`, though alive, no longer holds (a touch answered NOT_FOUND: their TTR
+        passed). Re-acquired like those of a dead connection (identity-checked reserve-job, or a
+        delete for a committed batch) instead of let go, which read them again into a later batch
+        while this one delivered them."""
+        lost = ResConn(self, rc.conn)
+        lost.dead = True            # never touched or used: only marks the jobs for re-acquiring
+        for jid in ids:
+            lot = self.held.get(jid)
+            if lot is not None and lot.rc is rc:
+                rc.count = max(0, rc.count - 1)
+                self.held[jid] = Lot(lost, lot.batch)
+        self.dirty = True
+
     def held_by_conn(self, batch: Batch | None = None) -> dict[ResConn, list[int]]:
         """Live connection -> ids it holds (of `batch` only, if given)."""
         out: dict[ResConn, list[int]] = {}

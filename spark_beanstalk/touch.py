@@ -77,9 +77,10 @@ class Toucher:
             failed = failed_commands(rc.conn, [b"touch %d\r\n" % j for j in ids], b"TOUCHED")
             b.counters.touched += len(ids) - len(failed)
             for i in failed:
-                b.counters.lost += 1
-                self.error = f"job {ids[i]} on {b.address} could not be touched"
-            b.unhold([ids[i] for i in failed])
+                self.error = f"job {ids[i]} on {b.address} could not be touched; re-acquiring it"
+            if failed:
+                b.orphan(rc, [ids[i] for i in failed])
+                self.work.set()     # the worker re-acquires
             rc.last_touch = started
         except ConnectionLost as exc:
             self.error = f"{b.address}: {exc}"

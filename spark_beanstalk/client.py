@@ -24,6 +24,11 @@ _MARKER = b"list-tube-used\r\n"
 _MARKER_REPLY = b"\r\nUSING "
 _RESERVED = re.compile(rb"RESERVED (\d+) (\d+)\r\n")
 T = TypeVar("T")
+# Replies that refuse a change for now, not for good: a replicated member that does not lead (a
+# replica, or a leader whose lease lapsed and that has not stepped down yet), a broker in drain
+# mode or at a limit. beanstalkd never answers reserve, delete, touch, release, bury or reserve-job
+# with either; the source takes them as a lost connection, the writer's markers wait through them.
+REFUSED_FOR_NOW = frozenset({b"OUT_OF_MEMORY", b"DRAINING"})
 
 
 class BeanstalkError(Exception):

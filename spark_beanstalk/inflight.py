@@ -27,7 +27,7 @@ from typing import Any
 
 from spark_beanstalk.batch import Batch, JobColumns
 from spark_beanstalk.brokers import BeanstalkSourceError, BrokerLink, ResConn
-from spark_beanstalk.client import ConnectionLost
+from spark_beanstalk.client import REFUSED_FOR_NOW, ConnectionLost
 from spark_beanstalk.offsets import (
     BrokerJobs,
     Offset,
@@ -42,7 +42,6 @@ from spark_beanstalk.options import SourceOptions
 from spark_beanstalk.recovery import reacquire, settle_already_held
 from spark_beanstalk.restart import cleanup_broker, replay_broker
 from spark_beanstalk.source_wire import (
-    NOT_LEADING,
     PIPELINE_WINDOW,
     delete_jobs,
     failed_commands,
@@ -236,10 +235,10 @@ class InFlight:
         for line in others:
             if line in (b"TIMED_OUT", b"DEADLINE_SOON"):
                 continue
-            if line in NOT_LEADING and b.broker.is_cluster:
+            if line in REFUSED_FOR_NOW and b.broker.is_cluster:
                 raise not_leading(rc.conn, line, "reserve")  # a fenced leader: find the leader again
-            raise BeanstalkSourceError(f"beanstalk source: {b.address} answered reserve with {line!r}"
-                                       + (" (a replica: list the set as cluster:...)" if line in NOT_LEADING else ""))
+            hint = " (a replica: list the set as cluster:...)" if line in REFUSED_FOR_NOW else ""
+            raise BeanstalkSourceError(f"beanstalk source: {b.address} answered reserve with {line!r}{hint}")
         if not ids:
             return 0, 0
         return self._admit(b, rc, batch, ids, bodies), len(ids)

@@ -17,10 +17,9 @@ from typing import NamedTuple
 
 from spark_beanstalk.batch import Batch, JobColumns
 from spark_beanstalk.brokers import BrokerLink, ResConn
-from spark_beanstalk.client import Connection, ConnectionLost
+from spark_beanstalk.client import REFUSED_FOR_NOW, Connection, ConnectionLost
 from spark_beanstalk.offsets import DIGEST_BLOCK, BrokerJobs, block_digests, body_digest
 from spark_beanstalk.source_wire import (
-    NOT_LEADING,
     PIPELINE_WINDOW,
     Identity,
     delete_jobs,
@@ -111,7 +110,7 @@ def _reserve_again(b: BrokerLink, rc: ResConn, batch: Batch, ids: list[int], col
     for jid, (line, body) in zip(ids, rc.conn.pipeline_replies([b"reserve-job %d\r\n" % j for j in ids]), strict=False):
         if line.startswith(b"RESERVED ") and body is not None and body_digest(body) == cols.digests[index[jid]]:
             got.append(jid)
-        elif line in NOT_LEADING:
+        elif line in REFUSED_FOR_NOW:
             raise not_leading(rc.conn, line, "reserve-job")  # not gone: asked of a member that does not lead
         else:
             lost.append(jid)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from spark_beanstalk.client import Connection, ConnectionLost, split_replies
+from spark_beanstalk.client import REFUSED_FOR_NOW, Connection, ConnectionLost, split_replies
 from spark_beanstalk.offsets import body_digest
 
 PIPELINE_WINDOW = 1024
@@ -131,12 +131,6 @@ def _stats_jobs_slow(raw: bytes, ids: Sequence[int]) -> JobStats:
     return out
 
 
-# What a replicated member that may not change the queue (a replica, or a leader whose lease
-# lapsed and that has not stepped down yet) answers to a change; beanstalkd never answers the
-# source's commands (reserve, delete, touch, release, bury, reserve-job) with either.
-NOT_LEADING = frozenset({b"OUT_OF_MEMORY", b"DRAINING"})
-
-
 def not_leading(conn: Connection, line: bytes, command: str) -> ConnectionLost:
     """The member on `conn` no longer leads: as good as a lost connection (find the leader again,
     re-acquire what was held there), never a sign that a job is gone."""
@@ -148,7 +142,7 @@ def failed_commands(conn: Connection, commands: Sequence[bytes], ok: bytes) -> l
     """Send commands with one-line replies (delete, touch, release, bury) in runs of
     PIPELINE_WINDOW; returns the indexes of those whose reply was not `ok` (usually none).
 
-    ConnectionLost if the member refused them as one that does not lead (NOT_LEADING).
+    ConnectionLost if the member refused them as one that does not lead (REFUSED_FOR_NOW).
     """
     failed: list[int] = []
     want = ok + b"\r\n"
@@ -157,7 +151,7 @@ def failed_commands(conn: Connection, commands: Sequence[bytes], ok: bytes) -> l
         raw = conn.bulk(b"".join(run))
         if raw.count(want) != len(run):
             for i, line in enumerate(raw.split(b"\r\n")[:len(run)]):
-                if line in NOT_LEADING:
+                if line in REFUSED_FOR_NOW:
                     raise not_leading(conn, line, run[i].split(b" ", 1)[0].decode())
                 if line != ok:
                     failed.append(lo + i)

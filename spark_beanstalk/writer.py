@@ -44,7 +44,7 @@ from pyspark.sql.datasource import (
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec
 from beanstalk_rules.tubes import NAME_CHARS, tube_name_problem
-from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
+from spark_beanstalk.client import REFUSED_FOR_NOW, BeanstalkError, Connection, ConnectionLost
 from spark_beanstalk.leader import open_leader
 from spark_beanstalk.options import (
     MAX_U32,
@@ -341,7 +341,6 @@ class _DeadLetter:
 
 
 _DESYNC_REPLIES = frozenset({b"BAD_FORMAT", b"EXPECTED_CRLF", b"UNKNOWN_COMMAND"})
-_REFUSED_FOR_NOW = frozenset({"DRAINING", "OUT_OF_MEMORY"})  # a marker waits through these, as rows do
 
 
 class Outage:
@@ -690,12 +689,12 @@ class PartitionWriter:
         try:
             # connect to every broker first: their max-job-size bounds validation; with none up (a
             # restart) wait for one as the rows would, rather than judge the rows by a guessed limit
-            for h in range(self.n_hosts):
-                self.pool.connect(h)
-            while not opts.max_job_size and not self.pool.conns:
-                self._wait_for_brokers(-1)
+            while True:
                 for h in range(self.n_hosts):
                     self.pool.connect(h)
+                if opts.max_job_size or self.pool.conns:
+                    break
+                self._wait_for_brokers(-1)
             sizes = [self.pool.max_job_size[h] for h in self.pool.conns]
             max_job_size = opts.max_job_size or (min(sizes) if sizes else DEFAULT_MAX_JOB_SIZE)
             by_host, bad, rows = self.prepare(chunks, max_job_size)
@@ -982,7 +981,7 @@ def _on_every_broker(opts: WriterOptions, action: Callable[[Connection], None], 
             except Exception as exc:  # noqa: BLE001 - logged: the rows are put
                 errors.append(f"{broker.name}: {exc}")
                 for_now = isinstance(exc, (ConnectionLost, OSError)) or (
-                    isinstance(exc, BeanstalkError) and exc.status in _REFUSED_FOR_NOW)
+                    isinstance(exc, BeanstalkError) and exc.status.encode("latin-1") in REFUSED_FOR_NOW)
                 refused = refused or not for_now
         if done or refused or outage.exhausted():
             break

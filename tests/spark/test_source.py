@@ -586,7 +586,15 @@ def test_a_replay_rides_through_a_broker_restart(tmp_path, conn_factory):
         wait_until(lambda: tube_counts(conn, "rr")["ready"] == 5, 10, what="the crashed reader's jobs released")
         other = Connection(broker.host, broker.port)
         assert other.reserve_job(ids[0]) is not None          # held elsewhere: the replay waits for it
-        bounce = threading.Thread(target=lambda: (time.sleep(1.0), broker.restart()), daemon=True)
+        watch = Connection(broker.host, broker.port)
+
+        def restart_while_replaying() -> None:
+            # the replay holds the four free jobs again (the fifth is the other client's)
+            wait_until(lambda: int(watch.stats()["current-jobs-reserved"]) == 5, 30, what="the replay under way")
+            watch.close()
+            broker.restart()
+
+        bounce = threading.Thread(target=restart_while_replaying, daemon=True)
         bounce.start()
         second = BeanstalkStreamReader(opts, SCHEMA)
         try:

@@ -274,7 +274,14 @@ def test_a_batch_marker_waits_through_a_draining_broker(server_factory, tmp_path
         wait_until(lambda: c.stats().get("draining") in ("true", True), 10, what="drain mode")
     o = WriterOptions.parse({"hosts": proc.address, "retryInterval": "0.1", "brokerRetrySeconds": "30"})
     ns = marker_namespace("drain-query", o, explicit=False)
-    restart = threading.Thread(target=lambda: (time.sleep(1.0), proc.restart()), daemon=True)
+    watch = Connection(proc.host, proc.port)
+
+    def restart_once_refused() -> None:
+        wait_until(lambda: int(watch.stats()["cmd-put"]) >= 1, 30, what="the marker refused")
+        watch.close()
+        proc.restart()
+
+    restart = threading.Thread(target=restart_once_refused, daemon=True)
     restart.start()
     try:
         assert write_marker(o, ns, 3, {"put": 1}) == 1

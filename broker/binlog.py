@@ -163,7 +163,10 @@ class Binlog(SegmentLog):
                 f"(read {rec.seconds:.2f}s, restore {restore_s:.2f}s); next job id {queue.next_id}")
         del rec
         if self._damaged:
-            self._rewrite_all_forward(self._damaged)
+            if not self._rebase(force=True, damaged=self._damaged):
+                raise BinlogError(f"--binlog-ignore-damage: cannot rewrite the recovered jobs into a new segment "
+                                  f"({self._write_error})")
+            say(f"rewrote {self._nlive:,} recovered jobs into {fmt.segment_name(self._cur)}")
         self._drop_empty_segments()
         self._maint = True
         self._maintain(full=True)
@@ -210,7 +213,7 @@ class Binlog(SegmentLog):
 
     def _make_room(self, size: int) -> None:
         """Slow path of job_put: rotate, allocate a spare, or refuse the job (StorageFull)."""
-        if self._write_error:
+        if self._write_error and not (self._suspect and self._rebase()):  # the job is not in the queue yet
             raise StorageFull(self._write_error)
         if not self._fit(size, (self._nlive + 1) * DEL + SLACK):
             raise StorageFull("binlog: disk full")
@@ -268,18 +271,32 @@ class Binlog(SegmentLog):
                 self._maint = True
 
     # ------------------------------------------------------------------ durability
-    def sync_point(self) -> None:
+    def sync_point(self) -> bool:
         """Before replies go out: every record reaches the kernel (one write); with -f 0, an
-        fdatasync too when a record that must be durable (not a reserve) is among them."""
-        if self._maint:
-            self._maintain()
-        if self._buf:
-            self._flush()
-        if self.fsync_ms == 0 and self._must_sync and self._dirty:
-            try:
-                self._sync_now()
-            except OSError as exc:
-                self._io_failed("fdatasync", exc)
+        fdatasync too when a record that must be durable (not a reserve) is among them.
+
+        False when a change among them could not be made that durable (an I/O error, and the
+        new base that ends one could not be written yet): the server then sends none of the
+        held replies and closes their connections, so that no client takes such a change
+        for done (its outcome is unknown to the client, as after a crash).
+        """
+        if not self._suspect:
+            if self._maint:
+                self._maintain()
+            if self._buf:
+                self._flush()
+            if self.fsync_ms == 0 and self._must_sync and self._dirty and not self._suspect:
+                try:
+                    self._sync_now()
+                except OSError as exc:
+                    self._io_failed("fdatasync", exc)
+        changed = self.records_written != self._acked
+        self._acked = self.records_written
+        if not self._suspect or self._rebase():
+            return True
+        self._pos -= len(self._buf)  # never written: the base that ends the failure holds their changes
+        self._buf.clear()
+        return not changed
 
     def start_thread(self) -> None:
         if self.fsync_ms and self._fsync_thread is None:
@@ -313,6 +330,9 @@ class Binlog(SegmentLog):
         if self._fsync_thread is not None:
             self._fsync_thread.stop()
         try:
+            if self._suspect and self.queue is not None and not self._rebase(force=True):
+                say("ERROR: shutting down with a binlog that could not be rewritten after an I/O error; "
+                    "the next start may need --binlog-ignore-damage")
             if self._fd >= 0:
                 self._flush()
                 os.ftruncate(self._fd, self._pos)

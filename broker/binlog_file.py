@@ -93,12 +93,16 @@ class BinlogDir:
             raise BinlogError(f"cannot open {lock}: {exc.strerror}") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise BinlogError(f"cannot lock {lock}: {exc.strerror} (the binlog directory must be on a "
+                                  f"file system with POSIX locks)") from None
             raise BinlogError(f"binlog directory {self.path} is in use by another process "
                               f"(lock {lock} is held)") from None
         self._lockfd = fd
         self._dirfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        self.settle()
 
     def crash_point(self, name: str) -> None:
         if self.crash is not None:
@@ -112,13 +116,59 @@ class BinlogDir:
         return sorted(i for i in (fmt.parse_segment_name(n) for n in os.listdir(self.path)) if i is not None)
 
     def highest_index(self) -> int:
-        """The highest segment index on disk, set-aside (``*.damaged``) files included."""
+        """The highest segment index on disk, set-aside (``*.damaged``) files and bases included."""
         best = 0
         for name in os.listdir(self.path):
-            idx = fmt.parse_segment_name(name.removesuffix(".damaged"))
+            for suffix in (".damaged", fmt.PARTIAL_SUFFIX, fmt.BASE_SUFFIX):
+                name = name.removesuffix(suffix)
+            idx = fmt.parse_segment_name(name)
             if idx is not None:
                 best = max(best, idx)
         return best
+
+    def settle(self) -> None:
+        """At open, before reading: finish or forget a base that a crash interrupted.
+
+        A ``*.partial`` base was not complete (it was renamed once fsynced): it goes, and
+        the segments it was to replace are read. A ``*.base`` is complete and replaces every
+        segment with a lower index (they may hold records a failed fsync lost, and so old
+        puts without their deletes): those go, then it becomes a plain segment.
+        """
+        names = os.listdir(self.path)
+        bases = [i for i in (fmt.parse_state_name(n, fmt.BASE_SUFFIX) for n in names) if i is not None]
+        changed = False
+        for name in names:
+            idx = fmt.parse_state_name(name, fmt.PARTIAL_SUFFIX)
+            if idx is None and bases:
+                idx = fmt.parse_segment_name(name)
+                if idx is not None and idx >= max(bases):
+                    idx = None
+            if idx is not None:
+                os.unlink(os.path.join(self.path, name))
+                changed = True
+        if bases:
+            top = max(bases)
+            for idx in bases:
+                path = self.segment(idx) + fmt.BASE_SUFFIX
+                if idx < top:
+                    os.unlink(path)
+                else:
+                    os.replace(path, self.segment(idx))
+            say(f"finished the base {fmt.segment_name(top)} a restart interrupted; older segments removed")
+            changed = True
+        if changed:
+            self.fsync()
+
+    def commit_base(self, idx: int) -> None:
+        """The fsynced ``*.partial`` base becomes ``*.base``: from here it replaces every lower segment."""
+        os.replace(self.segment(idx) + fmt.PARTIAL_SUFFIX, self.segment(idx) + fmt.BASE_SUFFIX)
+        self.fsync()
+        self.crash_point("base-committed")
+
+    def finish_base(self, idx: int) -> None:
+        """Every lower segment is gone: the base becomes a plain segment."""
+        os.replace(self.segment(idx) + fmt.BASE_SUFFIX, self.segment(idx))
+        self.fsync()
 
     def fsync(self) -> None:
         if self._dirfd >= 0:
@@ -148,13 +198,13 @@ class BinlogDir:
             self.fsync()
         return path + ".damaged"
 
-    def create_segment(self, idx: int, want: int, minimum: int) -> tuple[int, int]:
-        """Create segment file ``idx`` with ``want`` bytes allocated (or at least ``minimum``).
+    def create_segment(self, idx: int, want: int, minimum: int, suffix: str = "") -> tuple[int, int]:
+        """Create segment file ``idx`` (``+ suffix``) with ``want`` bytes allocated (or at least ``minimum``).
 
         Returns (fd, allocated) or (-1, 0) when the disk has no room. The file and its
         directory entry are made durable before anything is written into it.
         """
-        path = self.segment(idx)
+        path = self.segment(idx) + suffix
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -169,17 +219,25 @@ class BinlogDir:
                 break
             except OSError as exc:
                 if exc.errno not in FULL_ERRNOS:
-                    os.close(fd)
+                    self._discard(fd, path)
                     raise
         if not alloc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            self._discard(fd, path)
             return -1, 0
-        os.fsync(fd)
-        self.fsync()
+        try:
+            os.fsync(fd)
+            self.fsync()
+        except OSError:
+            self._discard(fd, path)
+            raise
         self.crash_point("segment-created")
         return fd, alloc
+
+    def _discard(self, fd: int, path: str) -> None:
+        """A segment that could not be made ready: no descriptor or file left behind."""
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
     def abandon(self) -> None:
         """For tests: let go of the directory as SIGKILL would (no fsync)."""

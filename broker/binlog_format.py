@@ -3,7 +3,8 @@
 A binlog directory holds *segment* files named ``binlog.<index>.sbl`` (index: a decimal,
 strictly increasing integer; beanstalkd's own ``binlog.<n>`` files are never touched), a
 ``lock`` file (fcntl lock: one broker per directory, as beanstalkd does) and possibly
-``*.damaged`` files set aside by ``--binlog-ignore-damage``.
+``*.damaged`` files set aside by ``--binlog-ignore-damage``, and for a moment a base being
+written (``*.sbl.partial``) or committed (``*.sbl.base``): see ``BinlogDir.settle``.
 
 All integers are little-endian. Times are wall-clock nanoseconds since the Unix epoch
 (the broker's own clock is monotonic; it is converted on the way in and out, so delays and
@@ -74,6 +75,10 @@ MAGIC = b"SBKBLOG\n"
 FORMAT_VERSION = 1
 SEGMENT_PREFIX = "binlog."
 SEGMENT_SUFFIX = ".sbl"
+# A base (see broker.binlog_segments.rebase): every live job in one new segment, written as
+# ``<segment>.partial``, then renamed ``<segment>.base``, which supersedes every lower index.
+PARTIAL_SUFFIX = ".partial"
+BASE_SUFFIX = ".base"
 
 K_JOB: Final = 1
 K_UPDATE: Final = 2
@@ -169,6 +174,11 @@ class FormatError(Exception):
 
 def segment_name(index: int) -> str:
     return f"{SEGMENT_PREFIX}{index}{SEGMENT_SUFFIX}"
+
+
+def parse_state_name(name: str, suffix: str) -> int | None:
+    """The index of ``binlog.<index>.sbl<suffix>`` (a base being written or committed), or None."""
+    return parse_segment_name(name.removesuffix(suffix)) if name.endswith(suffix) else None
 
 
 def parse_segment_name(name: str) -> int | None:

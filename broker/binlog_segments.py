@@ -11,10 +11,12 @@ described in :mod:`broker.binlog`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from array import array
+from collections.abc import Sequence
 from typing import Final
 
 from broker import binlog_format as fmt
@@ -26,6 +28,7 @@ NS: Final = 1_000_000_000
 SLACK: Final = 512  # room kept beyond the delete reserve: next segment header, fragmentation
 CHUNK: Final = 1 << 20  # a segment is allocated (posix_fallocate) 1 MiB at a time, up to -s bytes
 MIGRATE_BUDGET: Final = 256 * 1024  # bytes of records moved forward per reply batch at most
+REBASE_RETRY: Final = 1.0  # seconds between two attempts to rebuild the log while the disk fails
 DEL: Final = fmt.DELETE_RECORD_SIZE
 FIXED: Final = fmt.JOB_RECORD_FIXED
 
@@ -76,6 +79,11 @@ class SegmentLog(QueueListener):
         self._fd_lock = threading.Lock()
         self._fsync_thread: FsyncThread | None = None  # not `_thread`: compiled, that is C's `__thread`
         self._write_error: str | None = None
+        # An I/O error left the log untrustworthy (what reached the disk is unknown): new jobs
+        # are refused and no change is acknowledged until _rebase has written a new base.
+        self._suspect = False
+        self._rebase_at = 0.0
+        self._acked = 0  # records_written when sync_point last let replies go
         self.records_written = 0  # beanstalkd's count: reserve records are not in it
         self.records_migrated = 0
 
@@ -86,22 +94,104 @@ class SegmentLog(QueueListener):
                 self.files.remove(idx)
                 self._forget(idx)
 
-    def _rewrite_all_forward(self, damaged: list[int]) -> None:
-        """After --binlog-ignore-damage: write every live job into the current segment, set damaged files aside."""
-        assert self.queue is not None
-        moved = 0
-        for job in list(self.queue.jobs.values()):
-            if job.file != self._cur:
-                self._write_full(job, force=True)
-                moved += 1
-        self._flush()
-        self._sync_now()
-        for idx in damaged:
-            aside = self.files.set_aside(idx)
-            if idx in self._live:
-                self._forget(idx)
-            say(f"damaged segment set aside as {aside}")
-        say(f"rewrote {moved:,} recovered jobs into {fmt.segment_name(self._cur)}")
+    def _rebase(self, force: bool = False, damaged: Sequence[int] = ()) -> bool:
+        """Write every live job into a new segment that replaces all the others; True once done.
+
+        Why: after a failed write or fsync, which records reached the disk is unknown (the
+        kernel drops the dirty pages of a failed writeback, and a retried fsync reports success
+        over data that is not there): deletes as well as puts, acknowledged ones too with
+        ``-f MS``. What is known is the state in memory. The base is written as
+        ``*.partial`` and fsynced, renamed ``*.base`` (the commit: from then on a restart
+        reads it alone, see BinlogDir.settle), then the older segments go (``damaged`` ones
+        are set aside instead: --binlog-ignore-damage). Tried at most once a REBASE_RETRY
+        while the disk keeps failing.
+        """
+        now = time.monotonic()
+        if not force and now < self._rebase_at:
+            return False
+        self._rebase_at = now + REBASE_RETRY
+        queue = self.queue
+        assert queue is not None
+        files = self.files
+        idx = max(files.highest_index(), self._cur + 1) + 1
+        need = fmt.HEADER_SIZE + self._live_bytes + self._nlive * DEL + SLACK
+        try:
+            fd, alloc = files.create_segment(idx, need + self._chunk, need, fmt.PARTIAL_SUFFIX)
+        except OSError as exc:
+            self._io_failed("creating a new segment", exc)
+            return False
+        if fd < 0:
+            self._io_failed("creating a new segment", OSError(0, "disk full"))
+            return False
+        buf = bytearray(fmt.encode_header(idx, self._max_id, time.time_ns()))
+        wall = self._wall_off
+        ids: array[int] = array("Q")
+        written = live_bytes = 0
+        try:
+            for job in queue.jobs.values():
+                state = job.state
+                tb = job.tube.name_bytes
+                fmt.append_job(buf, job.id, state, job.pri, job.delay, job.ttr * NS, job.created + wall,
+                               job.deadline + wall if state == DELAYED else 0, job.reserves, job.timeouts,
+                               job.releases, job.buries, job.kicks, tb, job.body)
+                ids.append(job.id)
+                live_bytes += FIXED + len(tb) + len(job.body)
+                if len(buf) >= CHUNK:
+                    written += len(buf)
+                    write_all(fd, buf)
+            written += len(buf)
+            write_all(fd, buf)
+            os.fdatasync(fd)
+            files.crash_point("base-written")
+            files.commit_base(idx)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(files.segment(idx) + fmt.PARTIAL_SUFFIX)
+            self._io_failed("writing a new base segment", exc)
+            return False
+        # Committed: the state is in the base; every older segment is garbage from here.
+        spare = self._cur + 1 if self._spare_fd >= 0 else 0
+        with self._fd_lock:
+            old_fd, self._fd = self._fd, fd
+            self._dirty = self._must_sync = False
+        for stale in (old_fd, self._spare_fd):
+            if stale >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(stale)
+        self._spare_fd, self._spare_room, self._spare_alloc = -1, 0, 0
+        dropped = [*self._order, spare] if spare else list(self._order)
+        try:
+            for old in dropped:
+                if old in damaged:
+                    say(f"damaged segment set aside as {files.set_aside(old)}")
+                else:
+                    files.unlink(old)
+                    files.crash_point("base-unlinked")
+            files.fsync()
+            files.finish_base(idx)
+        except OSError as exc:  # the next start finishes it (BinlogDir.settle)
+            say(f"WARNING: could not remove the segments the new base {fmt.segment_name(idx)} replaces: "
+                f"{exc.strerror or exc}")
+        for job in queue.jobs.values():
+            job.file = idx
+        self._cur, self._alloc, self._pos = idx, alloc, written
+        self._buf.clear()  # records not written yet: the base holds their changes
+        self._order = [idx]
+        self._live = {idx: len(ids)}
+        self._size = {}
+        self._ids = {idx: ids}
+        self._cur_ids = ids
+        self._migrate_pos = {}
+        self._nlive, self._live_bytes, self._disk_bytes = len(ids), live_bytes, 0
+        self._maint = False
+        self._spare_retry_at = 0.0
+        if self._write_error is not None:
+            say(f"the binlog works again: {len(ids):,} live jobs rewritten into {fmt.segment_name(idx)}, "
+                f"which replaces the older segments; new jobs are accepted again")
+        self._write_error = None
+        self._suspect = False
+        return True
 
     def _start_segment(self, idx: int) -> None:
         """Create, allocate and start writing segment ``idx`` (used at open)."""
@@ -238,22 +328,20 @@ class SegmentLog(QueueListener):
             write_all(self._fd, buf)
         except OSError as exc:
             self._dirty = True
-            msg = f"binlog write failed: {exc.strerror}"
-            if self._write_error is None:
-                say(f"ERROR: {msg} ({self.files.segment(self._cur)}); new jobs are refused until writing works again")
-            self._write_error = msg
+            self._io_failed("write", exc)
             return
-        self._write_error = None
         self._dirty = True
         if self._fsync_thread is not None:
             self._fsync_thread.wake()
 
     def _io_failed(self, what: str, exc: OSError) -> None:
-        """An fsync or file operation failed: say so, refuse new jobs until a write works again."""
+        """A write or fsync failed: refuse new jobs and acknowledge no change until _rebase succeeds."""
         msg = f"binlog {what} failed: {exc.strerror or exc}"
         if self._write_error != msg:
-            say(f"ERROR: {msg} ({self.dir}); new jobs are refused until writing works again")
+            say(f"ERROR: {msg} ({self.dir}); new jobs are refused, and changes are not acknowledged, until "
+                f"every live job is rewritten into a new segment (tried every {REBASE_RETRY:g}s)")
         self._write_error = msg
+        self._suspect = True
 
     def _sync_now(self, only_if_dirty: bool = False) -> None:
         """fdatasync the current segment (the fsync thread: only if written since the last one)."""
@@ -267,7 +355,11 @@ class SegmentLog(QueueListener):
                 self.fsync_count += 1
 
     def _sync_dirty(self) -> None:
-        self._sync_now(only_if_dirty=True)
+        """The -f MS thread's fsync."""
+        try:
+            self._sync_now(only_if_dirty=True)
+        except OSError as exc:
+            self._io_failed("fdatasync", exc)
 
     def _needs_compaction(self) -> bool:
         return len(self._order) > 1 and self._disk_bytes + self._pos > 2 * self._live_bytes + 2 * self.seg_size
@@ -325,15 +417,19 @@ class SegmentLog(QueueListener):
             return
         try:
             self._sync_now()
-            self.files.crash_point("compact-synced")
+        except OSError as exc:
+            self._io_failed("fdatasync", exc)
+            return
+        self.files.crash_point("compact-synced")
+        try:
             while len(order) > 1 and not live[order[0]]:
                 idx = order[0]
                 self.files.unlink(idx)
                 self.files.crash_point("compact-unlinked")
                 self.files.fsync()
                 self._forget(idx)
-        except OSError as exc:
-            self._io_failed("deleting an old segment", exc)
+        except OSError as exc:  # nothing is lost: the segment stays, and is tried again later
+            say(f"WARNING: could not delete an old segment: {exc.strerror or exc}")
 
     def _forget(self, idx: int) -> None:
         self._order.remove(idx)

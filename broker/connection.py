@@ -419,8 +419,9 @@ class BrokerConnection(asyncio.Protocol):
             state.hold_for_commit(self, data)
             return
         sync = state.sync_point
-        if sync is not None:
-            sync()
+        if sync is not None and not sync():
+            self.drop_unacknowledged()
+            return
         self.send(data)
 
     def send(self, data: bytes) -> None:
@@ -430,6 +431,13 @@ class BrokerConnection(asyncio.Protocol):
         self.transport.write(data)
         if self.flow.write_paused:
             self._check_output()
+
+    def drop_unacknowledged(self) -> None:
+        """Its replies acknowledge changes that could not be made durable (a failing disk):
+        close without them, so that the client treats them as unknown, as after a crash."""
+        if not self.closing:
+            self.closing = True
+            self.transport.abort()  # connection_lost releases its reservations
 
     def _check_output(self) -> None:
         """After a write to a paused client: close it once it leaves too much unread."""

@@ -101,8 +101,11 @@ class QueueListener:
     # fsync, longer than a busy poll's window: the server does not poll (broker.busypoll).
     waits_for_disk = False
 
-    def sync_point(self) -> None:
-        """Called before replies that acknowledge changes are written (fsync here for -f 0)."""
+    def sync_point(self) -> bool:
+        """Called before replies that acknowledge changes are written (fsync here for -f 0).
+
+        False: those changes could not be made durable, and the replies must not go."""
+        return True
 
     def close(self) -> None:
         """Clean shutdown: flush and fsync."""

@@ -115,7 +115,7 @@ class ServerState:
     )
 
     def __init__(self, config: ServerConfig, queue: Queue, timer: LoopTimer,
-                 sync_point: Callable[[], None] | None, group_commit: bool, descriptor_cap: int) -> None:
+                 sync_point: Callable[[], bool] | None, group_commit: bool, descriptor_cap: int) -> None:
         self.config = config
         self.queue = queue
         self.timer = timer
@@ -161,8 +161,10 @@ class ServerState:
             return
         self._held = []
         self._held_bytes = 0
-        if self.sync_point is not None:
-            self.sync_point()
+        if self.sync_point is not None and not self.sync_point():
+            for conn, _ in held:
+                conn.drop_unacknowledged()
+            return
         if self.replication_hold is not None and self.replication_hold.hold(held):
             return  # sent by the hold once enough replicas have the records (--sync-replicas)
         for conn, data in held:

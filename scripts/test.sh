@@ -18,6 +18,11 @@ if ! command -v etcd >/dev/null 2>&1; then  # replication failover tests (leader
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server
 fi
+if ! command -v fusermount3 >/dev/null 2>&1; then  # tests/faultfs.py: I/O errors under the binlog
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3
+fi
 if ! command -v java >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
@@ -48,6 +53,6 @@ if [ $# -eq 0 ] && python3 -c 'import sys; from broker import _build; sys.exit(0
   SPARK_BEANSTALK_PURE=1 exec python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider -k "not beanstalkd" \
     tests/differential tests/test_greenstalk_e2e.py tests/test_fuzz.py tests/test_binlog_crash.py tests/test_queue.py \
     tests/test_jobtable.py tests/test_binlog_recovery.py tests/test_binlog_differential.py tests/test_server_inprocess.py tests/test_binlog_batch.py tests/test_busypoll.py \
-    tests/test_binlog_process.py tests/test_binlog_format.py tests/test_replication_unit.py tests/test_replication.py \
+    tests/test_binlog_process.py tests/test_binlog_format.py tests/test_binlog_faults.py tests/test_replication_unit.py tests/test_replication.py \
     tests/test_failover.py tests/test_build_select.py
 fi

@@ -41,6 +41,7 @@ __all__ = [
     "BatchFiles",
     "EtcdProxy",
     "FakeTransport",
+    "FaultyDisk",
     "ServerExitedEarly",
     "ReplicaSet",
     "ServerProcess",
@@ -151,6 +152,38 @@ class TcpProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+class FaultyDisk:
+    """A directory on tests/faultfs.py (FUSE): real I/O errors and lost writes on command.
+
+    ``mount`` is where the broker writes; ``backing`` holds what "reached the disk" (what a
+    broker started on it after a crash finds). ``fail("fail-fsync")`` / ``heal(...)`` turn a
+    fault of tests/faultfs.py on and off.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.backing, self.mount, self.control = root / "backing", root / "mnt", root / "control"
+        for d in (self.backing, self.mount, self.control):
+            d.mkdir(parents=True)
+        script = Path(__file__).with_name("faultfs.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.backing), str(self.mount),
+                                      str(self.control)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(lambda: os.path.ismount(self.mount) or self.proc.poll() is not None, 15, "FUSE mount")
+        if self.proc.poll() is not None:
+            assert self.proc.stderr is not None
+            raise RuntimeError(f"tests/faultfs.py exited: {self.proc.stderr.read().decode(errors='replace')}")
+
+    def fail(self, fault: str) -> None:
+        (self.control / fault).touch()
+
+    def heal(self, fault: str) -> None:
+        (self.control / fault).unlink()
+
+    def close(self) -> None:
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mount)], capture_output=True)
+        self.proc.kill()
+        self.proc.wait(10)
 
 
 class EtcdProxy:

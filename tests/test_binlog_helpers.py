@@ -89,10 +89,12 @@ def start_ours(directory: str, *args: str, stderr_path: str | None = None, env: 
     return proc.start(timeout=timeout)
 
 
-def run_ours_expect_exit(directory: str, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-    """Run the broker on ``directory`` when it is expected to refuse to start."""
+def run_ours_expect_exit(directory: str, *args: str, timeout: float = 30.0,
+                         env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the broker on ``directory`` when it is expected to refuse to start (or die at a crash point)."""
     argv = [sys.executable, "-m", "broker", "-l", "127.0.0.1", "-p", str(free_port()), "-b", directory, *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **env} if env else None)
 
 
 def job_snapshot(conn: Connection, ids) -> dict[int, dict | None]:

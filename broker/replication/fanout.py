@@ -50,9 +50,12 @@ class Fanout(QueueListener):
         for item in self.listeners:
             item.recover(queue)
 
-    def sync_point(self) -> None:
+    def sync_point(self) -> bool:
+        ok = True
         for item in self.listeners:
-            item.sync_point()
+            if not item.sync_point():
+                ok = False
+        return ok
 
     def close(self) -> None:
         if self.before_close is not None:

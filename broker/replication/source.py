@@ -142,12 +142,15 @@ class ReplicationSource(QueueListener):
     def _pause_record(self, tube: Tube) -> bytes:
         return wire.encode_pause(tube.name_bytes, tube.pause, tube.unpause_at + self._wall_offset())
 
-    def sync_point(self) -> None:
+    def sync_point(self) -> bool:
+        """Sends what the last commands logged to every replica; it cannot fail (a replica that
+        does not get it is disconnected and catches up)."""
         if self.pending:
             data = b"".join(self.pending)
             self.pending.clear()
             for session in self.sessions:
                 session.send(data)
+        return True
 
     def close(self) -> None:
         self.stop()

@@ -1,0 +1,196 @@
+"""A FUSE pass-through file system that fails on command: real I/O errors for the binlog tests.
+
+``python tests/faultfs.py BACKING MOUNT CONTROL`` mounts BACKING at MOUNT (foreground; it
+serves until unmounted or killed). Each operation looks at the flag files in CONTROL (a
+directory outside the mount), so a test turns a fault on or off by creating or removing one:
+
+* ``fail-write``: every ``write`` fails with EIO;
+* ``fail-fsync``: every ``fsync``/``fdatasync`` of a file fails with EIO, and the data written to
+  that file since its last successful fsync is lost, as the kernel drops the dirty pages of a
+  failed writeback (a retried fsync then reports success over data that is not there);
+* ``power-cut``: every file loses what was written since its last successful fsync, then every
+  operation fails with EIO until the flag is removed (the disk went away with the power).
+
+Only file data is modelled: creating, renaming and unlinking files take effect at once. The
+undo log (the bytes each unsynced write replaced) is what makes the loss exact: a lost write
+reads back as whatever the file held before it, zeros in allocated space.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import mfusepy  # type: ignore[import-untyped]
+
+
+@dataclass
+class Undo:
+    """What one file's unsynced writes replaced: (offset, old bytes) in write order, and its size before."""
+
+    size: int
+    writes: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class FaultFS(mfusepy.Operations):  # type: ignore[misc]
+    """Pass-through to ``root`` with the faults of the module docstring."""
+
+    def __init__(self, root: str, control: str) -> None:
+        self.root = os.path.realpath(root)
+        self.control = control
+        self.undo: dict[str, Undo] = {}
+        self.mutex = threading.Lock()
+        self.cut = False
+
+    # -- faults --------------------------------------------------------------------------
+    def _flag(self, name: str) -> bool:
+        return os.path.exists(os.path.join(self.control, name))
+
+    def _check_power(self) -> None:
+        if self._flag("power-cut"):
+            if not self.cut:
+                with self.mutex:
+                    for path in list(self.undo):
+                        self._lose(path)
+                self.cut = True
+            raise mfusepy.FuseOSError(errno.EIO)
+        self.cut = False
+
+    def _lose(self, path: str) -> None:
+        """Put back what the unsynced writes of ``path`` replaced (caller holds the lock)."""
+        undo = self.undo.pop(path, None)
+        if undo is None:
+            return
+        fd = os.open(self._full(path), os.O_WRONLY)
+        try:
+            for offset, old in reversed(undo.writes):
+                os.pwrite(fd, old, offset)
+            if os.fstat(fd).st_size > undo.size:
+                os.ftruncate(fd, undo.size)
+        finally:
+            os.close(fd)
+
+    def _full(self, path: str) -> str:
+        return os.path.join(self.root, path.lstrip("/"))
+
+    # -- files ---------------------------------------------------------------------------
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
+        self._check_power()
+        st = os.lstat(self._full(path))
+        return {key: getattr(st, key) for key in (
+            "st_atime", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")}
+
+    def access(self, path: str, amode: int) -> int:
+        if not os.access(self._full(path), amode):
+            raise mfusepy.FuseOSError(errno.EACCES)
+        return 0
+
+    def readdir(self, path: str, fh: int) -> list[str]:
+        self._check_power()
+        return [".", "..", *os.listdir(self._full(path))]
+
+    def statfs(self, path: str) -> dict[str, int]:
+        st = os.statvfs(self._full(path))
+        return {key: getattr(st, key) for key in (
+            "f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_flag",
+            "f_frsize", "f_namemax")}
+
+    def mkdir(self, path: str, mode: int) -> int:
+        self._check_power()
+        os.mkdir(self._full(path), mode)
+        return 0
+
+    def rmdir(self, path: str) -> int:
+        self._check_power()
+        os.rmdir(self._full(path))
+        return 0
+
+    def unlink(self, path: str) -> int:
+        self._check_power()
+        with self.mutex:
+            self.undo.pop(path, None)
+        os.unlink(self._full(path))
+        return 0
+
+    def rename(self, old: str, new: str) -> int:
+        self._check_power()
+        with self.mutex:
+            undo = self.undo.pop(old, None)
+            if undo is not None:
+                self.undo[new] = undo
+        os.rename(self._full(old), self._full(new))
+        return 0
+
+    def chmod(self, path: str, mode: int) -> int:
+        os.chmod(self._full(path), mode)
+        return 0
+
+    def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        os.utime(self._full(path), ns=times)
+        return 0
+
+    def create(self, path: str, mode: int, fi: object = None) -> int:
+        self._check_power()
+        return os.open(self._full(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)  # read: the undo log
+
+    def open(self, path: str, flags: int) -> int:
+        self._check_power()
+        return os.open(self._full(path), (flags & ~(os.O_APPEND | os.O_ACCMODE)) | os.O_RDWR)
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        self._check_power()
+        return os.pread(fh, size, offset)
+
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        self._check_power()
+        if self._flag("fail-write"):
+            raise mfusepy.FuseOSError(errno.EIO)
+        with self.mutex:
+            undo = self.undo.get(path)
+            if undo is None:
+                undo = self.undo[path] = Undo(os.fstat(fh).st_size)
+            undo.writes.append((offset, os.pread(fh, len(data), offset)))
+            return os.pwrite(fh, data, offset)
+
+    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        self._check_power()
+        with open(self._full(path), "r+b") as f:
+            f.truncate(length)
+        return 0
+
+    def fallocate(self, path: str, mode: int, offset: int, size: int, fh: int) -> int:
+        self._check_power()
+        os.posix_fallocate(fh, offset, size)
+        return 0
+
+    def fsync(self, path: str, datasync: int, fh: int) -> int:
+        self._check_power()
+        with self.mutex:
+            if self._flag("fail-fsync"):
+                self._lose(path)
+                raise mfusepy.FuseOSError(errno.EIO)
+            self.undo.pop(path, None)
+        return 0
+
+    def fsyncdir(self, path: str, datasync: int, fh: int) -> int:
+        self._check_power()
+        return 0
+
+    def flush(self, path: str, fh: int) -> int:
+        return 0
+
+    def release(self, path: str, fh: int) -> int:
+        os.close(fh)
+        return 0
+
+
+def main(argv: list[str]) -> None:
+    backing, mount, control = argv
+    mfusepy.FUSE(FaultFS(backing, control), mount, foreground=True, nothreads=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,143 @@
+"""The binlog on a failing disk: real I/O errors from a FUSE file system (tests/faultfs.py).
+
+A failed fsync may have lost any record written since the last good one (the kernel drops
+the dirty pages; a retried fsync reports success). The broker must then acknowledge nothing
+it could not make durable, rebuild the log from memory once the disk works again (a new base
+segment replacing all others), and recover exactly that state after a crash at any point.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_binlog_helpers import job_snapshot, run_ours_expect_exit, start_ours
+
+from broker.binlog_file import CRASH_ENV
+from spark_beanstalk.client import Connection, ConnectionLost
+from tests.helpers import FaultyDisk, ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    d = FaultyDisk(tmp_path / "disk")
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _put_until_inserted(proc: ServerProcess, body: bytes, timeout: float = 15.0) -> int:
+    """Puts are refused (OUT_OF_MEMORY) until the log is rebuilt: try again until one is INSERTED."""
+    def attempt() -> int | None:
+        with Connection(proc.host, proc.port) as conn:
+            reply = conn.call(f"put 1 0 60 {len(body)}", body)
+        return reply.int_arg() if reply.status == b"INSERTED" else None
+    return wait_until(attempt, timeout, "a put to be INSERTED again", interval=0.2)
+
+
+def _bodies(proc: ServerProcess, ids: list[int]) -> dict[int, bytes | None]:
+    with Connection(proc.host, proc.port) as conn:
+        snap = job_snapshot(conn, ids)
+    return {i: (s["body"] if s else None) for i, s in snap.items()}
+
+
+@pytest.mark.parametrize("fault", ["fail-fsync", "fail-write"])
+def test_a_change_the_disk_failed_to_keep_is_not_acknowledged_and_the_log_heals(disk, tmp_path, fault):
+    err = str(tmp_path / "broker.log")
+    proc = start_ours(str(disk.mount / "bl"), "-f", "0", stderr_path=err)
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            first = conn.put(b"before the fault")
+        disk.fail(fault)
+        with Connection(proc.host, proc.port) as conn, pytest.raises(ConnectionLost):
+            conn.put(b"during the fault")  # its record may be lost: no INSERTED, the connection drops
+        with Connection(proc.host, proc.port) as conn:
+            assert conn.call("put 1 0 60 5", b"again").status == b"OUT_OF_MEMORY"
+            assert conn.stats_job(first) is not None  # reads keep working
+        disk.heal(fault)
+        after = _put_until_inserted(proc, b"after the fault")
+        assert "works again" in proc.log()
+        proc.kill()
+        # What reached the disk: a broker on the backing directory finds both acknowledged jobs.
+        assert not [n for n in os.listdir(disk.backing / "bl") if n.endswith((".partial", ".base"))]
+        proc = start_ours(str(disk.backing / "bl"), "-f", "0")
+        found = _bodies(proc, [first, after])
+        assert found == {first: b"before the fault", after: b"after the fault"}
+    finally:
+        proc.kill()
+
+
+def test_changes_a_failed_background_fsync_lost_are_rebuilt_and_a_crash_mid_rebuild_keeps_them(disk, tmp_path):
+    """-f MS acknowledges after the write: a failed fsync can lose acknowledged changes, a delete too.
+
+    The rebuilt log holds them again; the broker is killed right after the new base is
+    committed, before the older segments are removed: the restart must read the base alone
+    (the older segments still hold the put of the deleted job, without its delete).
+    """
+    d = str(disk.mount / "bl")
+    proc = start_ours(d, "-f", "0")
+    with Connection(proc.host, proc.port) as conn:
+        keep = conn.put(b"keep")
+        gone = conn.put(b"gone")
+    proc.stop()
+    err = str(tmp_path / "broker.log")
+    proc = start_ours(d, "-f", "60000", env={CRASH_ENV: "base-committed"}, stderr_path=err)
+    try:
+        disk.fail("fail-fsync")
+        with Connection(proc.host, proc.port) as conn:
+            assert conn.delete(gone)  # acknowledged once written; the fsync that follows fails
+        wait_until(lambda: "fdatasync failed" in proc.log(), 15, "the background fsync to fail")
+        disk.heal("fail-fsync")
+        with Connection(proc.host, proc.port) as conn, pytest.raises(ConnectionLost):
+            conn.put(b"x")  # rebuilds the log; the crash hook kills the broker once the base is committed
+        assert proc.proc is not None
+        proc.proc.wait(15)
+    finally:
+        proc.kill()
+    assert [n for n in os.listdir(disk.backing / "bl") if n.endswith(".base")], "the crash hit no base"
+    proc = start_ours(str(disk.backing / "bl"), "-f", "0")
+    try:
+        assert _bodies(proc, [keep, gone]) == {keep: b"keep", gone: None}
+        assert not [n for n in os.listdir(disk.backing / "bl") if n.endswith((".partial", ".base"))]
+    finally:
+        proc.kill()
+
+
+def test_a_crash_while_ignore_damage_rewrites_the_log_brings_back_no_deleted_job(tmp_path):
+    """--binlog-ignore-damage rewrites the jobs it recovered into a new base. Killed right
+    after the base is committed, the restart (without the flag) reads the base alone: not the
+    older segments, which hold the put of a job whose delete is in the damaged segment."""
+    d = str(tmp_path / "bl")
+    proc = start_ours(d, "-s", "2048")
+    try:
+        with Connection(proc.host, proc.port) as conn:
+            deleted = conn.put(b"deleted later" + b"." * 60)
+            start = int(conn.stats()["binlog-current-index"])
+            kept = []
+            while int(conn.stats()["binlog-current-index"]) == start:
+                kept.append(conn.put(b"kept %d" % len(kept) + b"." * 60))
+            damaged_index = int(conn.stats()["binlog-current-index"])  # the last put opened it
+            first_there = kept.pop()
+            assert conn.delete(deleted)  # its record follows that put, in the same segment
+            while int(conn.stats()["binlog-current-index"]) == damaged_index:
+                kept.append(conn.put(b"kept %d" % len(kept) + b"." * 60))
+    finally:
+        proc.kill()
+    with open(os.path.join(d, f"binlog.{damaged_index}.sbl"), "r+b") as fh:
+        fh.seek(40 + 60)  # inside the first record after the header: the put of `first_there`
+        b = fh.read(1)
+        fh.seek(40 + 60)
+        fh.write(bytes([b[0] ^ 0x55]))
+    res = run_ours_expect_exit(d, "-s", "2048", "--binlog-ignore-damage", env={CRASH_ENV: "base-committed"})
+    assert res.returncode == -9, res.stderr  # killed by the hook once the base is committed
+    assert "damage ignored" in res.stderr
+    proc = start_ours(d, "-s", "2048")  # no flag: the damaged segment went with the others
+    try:
+        found = _bodies(proc, [deleted, first_there, *kept])
+        assert found[deleted] is None
+        assert found[first_there] is None  # the damaged record
+        assert all(found[i] is not None for i in kept)
+    finally:
+        proc.kill()

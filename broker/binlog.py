@@ -271,6 +271,9 @@ class Binlog(SegmentLog):
                 self._maint = True
 
     # ------------------------------------------------------------------ durability
+    def failing(self) -> bool:
+        return self._suspect
+
     def sync_point(self) -> bool:
         """Before replies go out: every record reaches the kernel (one write); with -f 0, an
         fdatasync too when a record that must be durable (not a reserve) is among them.

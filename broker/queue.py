@@ -107,6 +107,10 @@ class QueueListener:
         False: those changes could not be made durable, and the replies must not go."""
         return True
 
+    def failing(self) -> bool:
+        """True while changes cannot be made durable at all (a binlog after an I/O error)."""
+        return False
+
     def close(self) -> None:
         """Clean shutdown: flush and fsync."""
 

@@ -8,13 +8,14 @@ segment replacing all others), and recover exactly that state after a crash at a
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 from test_binlog_helpers import job_snapshot, run_ours_expect_exit, start_ours
 
 from broker.binlog_file import CRASH_ENV
 from spark_beanstalk.client import Connection, ConnectionLost
-from tests.helpers import FaultyDisk, ServerProcess, wait_until
+from tests.helpers import FaultyDisk, ServerProcess, member_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,3 +142,34 @@ def test_a_crash_while_ignore_damage_rewrites_the_log_brings_back_no_deleted_job
         assert all(found[i] is not None for i in kept)
     finally:
         proc.kill()
+
+
+def test_a_replica_whose_disk_fails_acknowledges_nothing_until_its_log_is_rebuilt(disk, tmp_path):
+    """--sync-replicas 1: the leader's reply waits for a replica's ack, which says the replica
+    has the records in its binlog. A replica that cannot write them must not ack them."""
+    leader = member_process(str(tmp_path / "leader"), sync_replicas=1).start()
+    replica = member_process(str(disk.mount / "r"), replica_of=leader.repl_address, extra_args=["-f", "0"],
+                             stderr_path=str(tmp_path / "replica.log")).start()
+    try:
+        with Connection(leader.host, leader.port, timeout=10) as conn:
+            first = conn.put(b"first")  # acknowledged: the replica has it
+        disk.fail("fail-fsync")
+        with socket.create_connection((leader.host, leader.port), timeout=10) as sock:
+            sock.sendall(b"put 1 0 60 6\r\nsecond\r\n")
+            sock.settimeout(2.0)  # observation window: no reply while the replica's disk fails
+            with pytest.raises(TimeoutError):
+                sock.recv(100)
+            disk.heal("fail-fsync")
+            sock.settimeout(15.0)
+            reply = sock.recv(100)  # the replica rebuilt its log and acked
+            assert reply.startswith(b"INSERTED "), reply
+            second = int(reply.split()[1])
+        wait_until(lambda: "works again" in replica.log(), 10, "the replica's binlog to be rebuilt")
+    finally:
+        replica.kill()
+        leader.kill()
+    alone = start_ours(str(disk.backing / "r"), "-f", "0")  # what reached the replica's disk
+    try:
+        assert _bodies(alone, [first, second]) == {first: b"first", second: b"second"}
+    finally:
+        alone.kill()

@@ -421,7 +421,7 @@ def test_a_replica_asks_an_older_leader_again_without_exact():
         port = server.sockets[0].getsockname()[1]
         applier = Applier(Queue(Clock()), Position(5, 3))
         applier.exact = True
-        follower = Follower(StreamTarget("127.0.0.1", port), "r1", applier, lambda: None, "/nonexistent")
+        follower = Follower(StreamTarget("127.0.0.1", port), "r1", applier, lambda: True, "/nonexistent")
         task = asyncio.ensure_future(follower.run())
         for _ in range(200):
             if len(lines) >= 2:

@@ -50,6 +50,9 @@ class Fanout(QueueListener):
         for item in self.listeners:
             item.recover(queue)
 
+    def failing(self) -> bool:
+        return any(item.failing() for item in self.listeners)
+
     def sync_point(self) -> bool:
         ok = True
         for item in self.listeners:

@@ -206,12 +206,13 @@ class StreamTarget:
 class Follower:
     """Follows one leader address until stopped, reconnecting after errors."""
 
-    def __init__(self, target: StreamTarget, name: str, applier: Applier, after_batch: Callable[[], None],
+    def __init__(self, target: StreamTarget, name: str, applier: Applier, after_batch: Callable[[], bool],
                  state_dir: str) -> None:
         self.target = target
         self.name = name
         self.applier = applier
-        self.after_batch = after_batch  # the server's sync point and timer reschedule
+        self.after_batch = after_batch  # the server's sync point and timer reschedule; False: not durable
+        self.owed = False  # an ack held back because the binlog could not keep the records (yet)
         self.state_dir = state_dir
         self.connected = False
         self.last_error = ""
@@ -232,8 +233,8 @@ class Follower:
             finally:
                 self.connected = False
                 self.applier.snapshot = None
-                self.after_batch()  # what was applied is in the binlog before the position says so
-                self._save(force=True)
+                if self.after_batch():  # what was applied is in the binlog before the position says so
+                    self._save(force=True)
             await asyncio.sleep(0.2)
 
     async def _session(self) -> None:
@@ -254,11 +255,15 @@ class Follower:
                 buf += data
                 if self.stopped:
                     return
-                if self.applier.apply(wire.split_messages(buf)):
-                    self.after_batch()
-                    pos = self.applier.pos
-                    writer.write(wire.ACK.pack(pos.epoch, pos.seq))
-                    self._save()
+                if self.applier.apply(wire.split_messages(buf)) or self.owed:
+                    # No ack for what the binlog could not keep (a failing disk): the leader's
+                    # --sync-replicas replies wait. The next message (a heartbeat at least)
+                    # tries again, once the binlog has rebuilt itself.
+                    self.owed = not self.after_batch()
+                    if not self.owed:
+                        pos = self.applier.pos
+                        writer.write(wire.ACK.pack(pos.epoch, pos.seq))
+                        self._save()
         finally:
             writer.transport.abort()
 

@@ -287,13 +287,15 @@ class Member:
         with contextlib.suppress(OSError):
             save_position(self.config.state_dir, self.position(), exact=self.applier.exact)
 
-    def _after_batch(self) -> None:
+    def _after_batch(self) -> bool:
+        """The applied records go to the binlog; False when it could not keep them (no ack then)."""
         assert self.server is not None
         if self.closed:
-            return
+            return True
         listener = self.server.queue.listener
-        listener.sync_point()
+        durable = listener.sync_point() and not listener.failing()  # failing: what an earlier batch left unwritten
         self.server.timer.check()
+        return durable
 
     def _client_ssl(self) -> ssl.SSLContext | None:
         """One context for the member's life: follow() keeps a stream whose target is unchanged,

@@ -117,8 +117,11 @@ class Scanner:
                 say(f"WARNING: {path}: torn segment header ({exc.reason}); the segment holds no record, removed")
                 self.dir.remove(idx)
                 return
-            self._damage(path, idx, 0, exc.reason, None)
-            return  # ignore_damage: the whole segment is unreadable
+            if not newest:
+                self._damage(path, idx, 0, exc.reason, None)
+                return  # ignore_damage: the whole segment is unreadable
+            self._unsynced_lost(path, idx, 0, exc.reason, fmt.HEADER_SIZE)  # its records may still be read
+            hmax = 0
         rec.max_id = max(rec.max_id, hmax)
         seg_no = len(rec.datas)
         rec.datas.append(data)
@@ -253,7 +256,27 @@ class Scanner:
             say(f"WARNING: torn record at the end of the log dropped: {path} offset {pos} ({reason}; "
                 f"{end - pos} bytes cut off; it was being written when the broker stopped)")
             return -1
+        if newest and nxt is not None:
+            self._unsynced_lost(path, idx, pos, reason, nxt)
+            return nxt
         return self._damage(path, idx, pos, reason, nxt)
+
+    def _unsynced_lost(self, path: str, idx: int, pos: int, reason: str, nxt: int) -> None:
+        """Damage in the newest segment with valid records after it: skipped without --binlog-ignore-damage.
+
+        Only the newest segment holds records written since the last fsync (a segment is fsynced
+        whole before the next one starts). A power cut can leave those pages on the disk in any
+        order: some lost (zeros, or a record cut), later ones written. That is the -f window
+        lost, not damage to refuse a start for: the broker must come back by itself. The
+        stretch is skipped, the valid records after it are read, and the segment is then
+        replaced by a base and kept as ``*.damaged`` (as --binlog-ignore-damage does).
+        """
+        say(f"WARNING: {path} at offset {pos}: {reason}, with valid records after it: {nxt - pos} bytes "
+            f"skipped. In the newest segment this is what a power cut leaves of the writes after the last "
+            f"fsync (-f MS, -F); jobs logged there are lost, jobs deleted there may come back. The segment is "
+            f"kept as {os.path.basename(path)}.damaged")
+        if idx not in self.result.damaged:
+            self.result.damaged.append(idx)
 
     def _damage(self, path: str, idx: int, pos: int, reason: str, nxt: int | None) -> int:
         follows = "valid records follow it" if nxt is not None else "it is not in the newest segment"

@@ -113,9 +113,9 @@ class SegmentLog(QueueListener):
         queue = self.queue
         assert queue is not None
         files = self.files
-        idx = max(files.highest_index(), self._cur + 1) + 1
         need = fmt.HEADER_SIZE + self._live_bytes + self._nlive * DEL + SLACK
         try:
+            idx = max(files.highest_index(), self._cur + 1) + 1
             fd, alloc = files.create_segment(idx, need + self._chunk, need, fmt.PARTIAL_SUFFIX)
         except OSError as exc:
             self._io_failed("creating a new segment", exc)
@@ -256,7 +256,11 @@ class SegmentLog(QueueListener):
             return False
         reserve = self._nlive * DEL + SLACK
         want = max(self._chunk, fmt.HEADER_SIZE + need + reserve)
-        fd, alloc = self.files.create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
+        try:
+            fd, alloc = self.files.create_segment(self._cur + 1, want, fmt.HEADER_SIZE + need + reserve)
+        except OSError as exc:  # not a full disk: an I/O error
+            self._io_failed("creating the next segment", exc)
+            return False
         if fd < 0:
             self._spare_retry_at = now + 0.5  # full disk: do not retry on every put
             return False

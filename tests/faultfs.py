@@ -9,7 +9,12 @@ directory outside the mount), so a test turns a fault on or off by creating or r
   that file since its last successful fsync is lost, as the kernel drops the dirty pages of a
   failed writeback (a retried fsync then reports success over data that is not there);
 * ``power-cut``: every file loses what was written since its last successful fsync, then every
-  operation fails with EIO until the flag is removed (the disk went away with the power).
+  operation fails with EIO until the flag is removed (the disk went away with the power). If
+  the flag file holds a number, it seeds a random choice instead: each 4 KiB page that unsynced
+  writes touched is lost (back to what it held at the last fsync) or kept with even odds, as
+  writeback may have reached the disk for some pages of a file and not for others, in any order.
+  ``alternate`` loses every other page of each file (the first one lost): the same shape, for
+  certain.
 
 Only file data is modelled: creating, renaming and unlinking files take effect at once. The
 undo log (the bytes each unsynced write replaced) is what makes the loss exact: a lost write
@@ -20,16 +25,31 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import sys
 import threading
 from dataclasses import dataclass, field
 
 import mfusepy  # type: ignore[import-untyped]
 
+PAGE = 4096
+
+
+class Alternate:
+    """A coin that alternates: lost, kept, lost... (``random() < 0.5`` means kept)."""
+
+    turn = 1.0
+
+    def random(self) -> float:
+        self.turn = 0.0 if self.turn else 1.0
+        return 1.0 - self.turn
+
 
 @dataclass
 class Undo:
-    """What one file's unsynced writes replaced: (offset, old bytes) in write order, and its size before."""
+    """What one file's unsynced writes replaced: (offset, old bytes) in write order, and its size before.
+
+    ``old`` is as long as the write: bytes past the end of the file count as zeros."""
 
     size: int
     writes: list[tuple[int, bytes]] = field(default_factory=list)
@@ -50,26 +70,47 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
         return os.path.exists(os.path.join(self.control, name))
 
     def _check_power(self) -> None:
-        if self._flag("power-cut"):
+        flag = os.path.join(self.control, "power-cut")
+        if os.path.exists(flag):
             if not self.cut:
+                with open(flag) as fh:
+                    seed = fh.read().strip()
+                pick = (Alternate() if seed == "alternate" else random.Random(int(seed))) if seed else None
                 with self.mutex:
-                    for path in list(self.undo):
-                        self._lose(path)
+                    for path in sorted(self.undo):
+                        self._lose(path, pick)
                 self.cut = True
             raise mfusepy.FuseOSError(errno.EIO)
         self.cut = False
 
-    def _lose(self, path: str) -> None:
-        """Put back what the unsynced writes of ``path`` replaced (caller holds the lock)."""
+    def _lose(self, path: str, pick: random.Random | Alternate | None = None) -> None:
+        """Put back what the unsynced writes of ``path`` replaced (caller holds the lock); with
+        ``pick``, only in a random half of the pages they touched."""
         undo = self.undo.pop(path, None)
         if undo is None:
             return
-        fd = os.open(self._full(path), os.O_WRONLY)
+        fd = os.open(self._full(path), os.O_RDWR)
         try:
-            for offset, old in reversed(undo.writes):
-                os.pwrite(fd, old, offset)
-            if os.fstat(fd).st_size > undo.size:
-                os.ftruncate(fd, undo.size)
+            if pick is None:
+                for offset, old in reversed(undo.writes):
+                    os.pwrite(fd, old, offset)
+                if os.fstat(fd).st_size > undo.size:
+                    os.ftruncate(fd, undo.size)
+                return
+            if isinstance(pick, Alternate):
+                pick.turn = 1.0  # each file starts with a lost page
+            pages = sorted({p for offset, old in undo.writes
+                            for p in range(offset // PAGE, (offset + len(old) - 1) // PAGE + 1)})
+            for page in pages:
+                if pick.random() < 0.5:
+                    continue  # this page reached the disk
+                lo = page * PAGE
+                image = bytearray(os.pread(fd, PAGE, lo))
+                for offset, old in reversed(undo.writes):
+                    a, b = max(offset, lo), min(offset + len(old), lo + len(image))
+                    if a < b:
+                        image[a - lo:b - lo] = old[a - offset:b - offset]
+                os.pwrite(fd, image, lo)
         finally:
             os.close(fd)
 
@@ -152,7 +193,8 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
             undo = self.undo.get(path)
             if undo is None:
                 undo = self.undo[path] = Undo(os.fstat(fh).st_size)
-            undo.writes.append((offset, os.pread(fh, len(data), offset)))
+            old = os.pread(fh, len(data), offset)
+            undo.writes.append((offset, old + bytes(len(data) - len(old))))
             return os.pwrite(fh, data, offset)
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:

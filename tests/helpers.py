@@ -174,8 +174,9 @@ class FaultyDisk:
             assert self.proc.stderr is not None
             raise RuntimeError(f"tests/faultfs.py exited: {self.proc.stderr.read().decode(errors='replace')}")
 
-    def fail(self, fault: str) -> None:
-        (self.control / fault).touch()
+    def fail(self, fault: str, arg: str = "") -> None:
+        """Turn ``fault`` on; ``arg`` is what tests/faultfs.py reads from it (power-cut: a seed)."""
+        (self.control / fault).write_text(arg)
 
     def heal(self, fault: str) -> None:
         (self.control / fault).unlink()

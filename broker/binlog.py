@@ -316,6 +316,8 @@ class Binlog(SegmentLog):
             "max-size": self.requested_size,
             "bytes": self._disk_bytes + self._pos,  # for the metrics endpoint, not `stats`
             "fsync-count": self.fsync_count,
+            "io-errors": self.io_errors,
+            "rebuilds": self.rebuilds,
             "writes": self.writes,
             "fsync-seconds": self.fsync_seconds,
         }

@@ -84,6 +84,8 @@ class SegmentLog(QueueListener):
         self._suspect = False
         self._rebase_at = 0.0
         self._acked = 0  # records_written when sync_point last let replies go
+        self.io_errors = 0  # failed writes and fsyncs (the metrics endpoint)
+        self.rebuilds = 0  # bases written after an I/O error
         self.records_written = 0  # beanstalkd's count: reserve records are not in it
         self.records_migrated = 0
 
@@ -187,6 +189,7 @@ class SegmentLog(QueueListener):
         self._maint = False
         self._spare_retry_at = 0.0
         if self._write_error is not None:
+            self.rebuilds += 1
             say(f"the binlog works again: {len(ids):,} live jobs rewritten into {fmt.segment_name(idx)}, "
                 f"which replaces the older segments; new jobs are accepted again")
         self._write_error = None
@@ -341,6 +344,7 @@ class SegmentLog(QueueListener):
     def _io_failed(self, what: str, exc: OSError) -> None:
         """A write or fsync failed: refuse new jobs and acknowledge no change until _rebase succeeds."""
         msg = f"binlog {what} failed: {exc.strerror or exc}"
+        self.io_errors += 1
         if self._write_error != msg:
             say(f"ERROR: {msg} ({self.dir}); new jobs are refused, and changes are not acknowledged, until "
                 f"every live job is rewritten into a new segment (tried every {REBASE_RETRY:g}s)")

@@ -91,6 +91,11 @@ class BrokerCollector:
         if "writes" in binlog:
             yield CounterMetricFamily("beanstalk_binlog_writes", "Writes of binlog records to the current "
                                       "segment (one per batch of replies)", value=binlog["writes"])
+        if "io-errors" in binlog:
+            yield CounterMetricFamily("beanstalk_binlog_io_errors", "Binlog writes and fsyncs that failed "
+                                      "(no change is acknowledged until the log is rebuilt)", value=binlog["io-errors"])
+            yield CounterMetricFamily("beanstalk_binlog_rebuilds", "Binlogs rebuilt from memory into a new base "
+                                      "segment after an I/O error", value=binlog["rebuilds"])
         if "fsync-count" in binlog:
             yield SummaryMetricFamily("beanstalk_binlog_fsync_seconds", "Binlog fsync latency",
                                       count_value=binlog["fsync-count"],

@@ -12,13 +12,15 @@ import os
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from test_binlog_helpers import job_snapshot, run_ours_expect_exit, start_ours
 
 from broker.binlog_file import CRASH_ENV
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
-from tests.helpers import FaultyDisk, ServerProcess, member_process, wait_until
+from tests.helpers import FaultyDisk, ServerProcess, free_port, member_process, sample, scrape, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,6 +43,14 @@ def _put_until_inserted(proc: ServerProcess, body: bytes, timeout: float = 15.0)
     return wait_until(attempt, timeout, "a put to be INSERTED again", interval=0.2)
 
 
+def _readyz(addr: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}/readyz", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def _bodies(proc: ServerProcess, ids: list[int]) -> dict[int, bytes | None]:
     with Connection(proc.host, proc.port) as conn:
         snap = job_snapshot(conn, ids)
@@ -50,7 +60,8 @@ def _bodies(proc: ServerProcess, ids: list[int]) -> dict[int, bytes | None]:
 @pytest.mark.parametrize("fault", ["fail-fsync", "fail-write"])
 def test_a_change_the_disk_failed_to_keep_is_not_acknowledged_and_the_log_heals(disk, tmp_path, fault):
     err = str(tmp_path / "broker.log")
-    proc = start_ours(str(disk.mount / "bl"), "-f", "0", stderr_path=err)
+    http = f"127.0.0.1:{free_port()}"
+    proc = start_ours(str(disk.mount / "bl"), "-f", "0", "--http", http, stderr_path=err)
     try:
         with Connection(proc.host, proc.port) as conn:
             first = conn.put(b"before the fault")
@@ -60,9 +71,15 @@ def test_a_change_the_disk_failed_to_keep_is_not_acknowledged_and_the_log_heals(
         with Connection(proc.host, proc.port) as conn:
             assert conn.call("put 1 0 60 5", b"again").status == b"OUT_OF_MEMORY"
             assert conn.stats_job(first) is not None  # reads keep working
+        status, text = _readyz(http)
+        assert status == 503 and "binlog cannot write" in text
         disk.heal(fault)
         after = _put_until_inserted(proc, b"after the fault")
         assert "works again" in proc.log()
+        assert _readyz(http)[0] == 200
+        _, samples = scrape(http)
+        assert sample(samples, "beanstalk_binlog_rebuilds_total") == 1
+        assert (sample(samples, "beanstalk_binlog_io_errors_total") or 0) >= 1
         proc.kill()
         # What reached the disk: a broker on the backing directory finds both acknowledged jobs.
         assert not [n for n in os.listdir(disk.backing / "bl") if n.endswith((".partial", ".base"))]

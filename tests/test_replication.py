@@ -196,3 +196,23 @@ def test_stream_over_tls_with_the_brokers_token(tmp_path, certs):  # noqa: F811 
     finally:
         for proc in (bad, good, primary):
             proc.stop()
+
+
+def test_a_replica_that_drops_its_stream_loses_no_client_reply(tmp_path):
+    """A replica reset mid-snapshot: the leader's next write to it raised inside the commit of a
+    group of client replies, and the whole group was dropped (put applied, client never answered)."""
+    leader = member_process(str(tmp_path / "a"), stderr_path=str(tmp_path / "a.log")).start()
+    try:
+        with Connection(leader.host, leader.port) as conn:
+            conn.pipeline([b"put 0 0 60 10\r\n0123456789\r\n"] * 300)  # a snapshot the replica leaves unread
+        host, port = leader.repl_address.split(":")
+        for _ in range(10):
+            with Connection(leader.host, leader.port, timeout=3) as conn:
+                replica = socket.create_connection((host, int(port)), timeout=3)
+                replica.sendall(b"replicate r1 0 0\r\n")
+                assert replica.recv(4096)  # the stream has started
+                replica.close()  # input unread: a reset
+                assert conn.put(b"after") > 0  # answered (ConnectionLost after 3 s without the fix)
+        assert "Exception in callback" not in leader.log()
+    finally:
+        leader.kill()

@@ -8,6 +8,7 @@ out of order or from an older epoch are refused.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -507,3 +508,19 @@ def test_sync_hold_releases_on_the_next_heartbeat_what_an_ack_in_doubt_could_not
     lease_ok[0] = True                # a late keep-alive renewed it
     source.heartbeat()
     assert out.take() == b"INSERTED 1\r\n"
+
+
+def test_the_backlog_limit_bounds_memory_not_just_payload():
+    """Small records cost ~2.6x their bytes in the backlog (tuple, int, bytes header, deque slot):
+    a 64 MiB limit counted on payload let a leader hold ~190 MB. The per-entry overhead counts."""
+    queue, source = _leader()
+    source.backlog_limit = 100_000
+    c = queue_verbs.connect(queue, lambda _r: None)
+    for _ in range(5_000):
+        jid = int(queue.put(c, 0, 0, 60, b"x").split()[1])
+        queue.delete(c, jid)
+    slot = 8  # the deque's pointer to the entry
+    held = sum(sys.getsizeof(entry) + sys.getsizeof(seq) + sys.getsizeof(msg) + slot for entry in source.backlog
+               for seq, msg in (entry,))
+    assert held <= source.backlog_limit  # 2.6x the limit without counting the overhead
+    assert source.backlog_bytes <= source.backlog_limit

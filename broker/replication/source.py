@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 NS = 1_000_000_000
 BACKLOG_BYTES = 64 << 20
+# What one backlog entry costs beyond its message bytes: the tuple, the seq int, the bytes
+# header, the deque slot. Counted, so that the limit bounds memory, not payload: small records
+# made a 64 MiB backlog cost ~190 MB.
+BACKLOG_ENTRY_OVERHEAD = 128
 MAX_UNSENT = 256 << 20  # a replica this far behind on the socket is dropped; it catches up by snapshot
 SNAPSHOT_CHUNK = 2_000  # jobs per piece of a snapshot at most: the leader serves its clients between pieces
 SNAPSHOT_PIECE_BYTES = 4 << 20  # and bytes per piece at most (2,000 jobs of 64 KiB would be 128 MiB)
@@ -44,10 +48,20 @@ class ReplicaSession:
         self.closed = False
 
     def send(self, data: bytes) -> None:
+        """Never raises: it runs inside the commit of a group of client replies, and an exception
+        there lost every reply of the group (the changes applied, the clients never answered)."""
         if self.closed:
             return
-        self.writer.write(data)
-        if self.writer.transport.get_write_buffer_size() > MAX_UNSENT:
+        transport = self.writer.transport
+        if transport.is_closing():  # the replica went away (a reset): uvloop raises on a write
+            self.close()
+            return
+        try:
+            self.writer.write(data)
+        except (RuntimeError, OSError):
+            self.close()
+            return
+        if transport.get_write_buffer_size() > MAX_UNSENT:
             self.close()
 
     async def drain(self) -> None:
@@ -161,9 +175,9 @@ class ReplicationSource(QueueListener):
         msg = wire.message(wire.M_RECORD, self.epoch, self.seq, time.time_ns(), record)
         self.pending.append(msg)
         self.backlog.append((self.seq, msg))
-        self.backlog_bytes += len(msg)
+        self.backlog_bytes += len(msg) + BACKLOG_ENTRY_OVERHEAD
         while self.backlog_bytes > self.backlog_limit and len(self.backlog) > 1:
-            self.backlog_bytes -= len(self.backlog.popleft()[1])
+            self.backlog_bytes -= len(self.backlog.popleft()[1]) + BACKLOG_ENTRY_OVERHEAD
 
     def _wall_offset(self) -> int:
         assert self.queue is not None

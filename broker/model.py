@@ -462,6 +462,16 @@ class Client:
         self.pending_put_id = 0
         self.peer = peer
 
+    def prune_deadlines(self) -> None:
+        """Drop stale entries once they outnumber the live ones: a job released, deleted or
+        touched leaves its old entry behind, and a worker that touches a long-TTR job every
+        second would otherwise grow the heap by an entry a touch until the TTR comes round."""
+        heap = self.deadlines
+        if len(heap) > 2 * len(self.reserved) + 64:
+            live = [e for e in heap if e[2].reserver is self and e[2].state == RESERVED and e[2].deadline == e[0]]
+            heapq.heapify(live)
+            self.deadlines = live
+
     def soonest_deadline(self) -> int | None:
         heap = self.deadlines
         while heap:

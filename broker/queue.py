@@ -13,7 +13,6 @@ change that must survive a crash.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Mapping
 from typing import Final, cast
 
@@ -212,6 +211,7 @@ class Queue:
             del self.tube_by_name[tube.name]
             self.tubes.remove(tube)
             self.waited_tubes.pop(tube, None)
+            tube.pause = 0  # its unpause timer entry is stale now: compaction may drop it (and the tube)
 
     # -- clients -----------------------------------------------------------------
 
@@ -290,9 +290,8 @@ class Queue:
         job.tube.reserved_count -= 1
         if not reserved:
             client.deadlines.clear()  # every entry left is stale
-        elif len(client.deadlines) > 2 * len(reserved) + 64:
-            client.deadlines = [e for e in client.deadlines if e[2].reserver is client and e[2].state == RESERVED]
-            heapq.heapify(client.deadlines)
+        else:
+            client.prune_deadlines()
 
     def arm_ttr(self, client: Client, deadline: int) -> None:
         """Make ``deadline`` the client's TTR timer unless an earlier one stands (an entry that
@@ -382,6 +381,12 @@ class Queue:
             self.timers.push(when, CLIENT_TICK, client)
 
     # -- timers ------------------------------------------------------------------------
+    def compact_timers(self) -> None:
+        """Drop stale timer entries once they dominate. Called after every tick and every
+        disconnect: a closed connection's entries (its TTR, its reserve timeout) hold it, its
+        tube and its deadline heap until they come due, which may be hours away."""
+        self.timers.compact(len(self.jobs) + self.cur_conns + len(self.tubes))
+
     def _timer_is_current(self, when: int, kind: int, owner: object) -> bool:
         """Whether a timer entry still stands (its owner: a Job, a Client or a Tube, by kind)."""
         if kind == TTR_EXPIRY:

@@ -35,7 +35,7 @@ def tick(queue: Queue) -> None:
             cast(Tube, owner).pause = 0
             if queue.waiting_ct:
                 queue._process_queue(now)
-    queue.timers.compact(len(queue.jobs) + queue.cur_conns + len(queue.tubes))
+    queue.compact_timers()
 
 
 def hangup(queue: Queue, client: Client) -> None:

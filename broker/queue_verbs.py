@@ -52,6 +52,7 @@ def disconnect(queue: Queue, client: Client) -> None:
     client.use.using -= 1
     queue._unref(client.use)
     client.deadlines.clear()
+    queue.compact_timers()
 
 
 def reserve_job(queue: Queue, client: Client, job_id: int) -> bytes:
@@ -101,6 +102,7 @@ def touch(queue: Queue, client: Client, job_id: int) -> bytes:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS
     heappush(client.deadlines, (deadline, job_id, job))
+    client.prune_deadlines()
     queue.arm_ttr(client, deadline)  # an earlier entry stands mostly: it finds this job not due and re-arms
     return p.TOUCHED
 

@@ -249,3 +249,56 @@ def test_a_failing_close_hook_still_closes_the_clients_and_the_listener() -> Non
         await server.close()
         assert t.closed and closed == [True]
     run(body)
+
+
+def test_touching_a_job_over_and_over_keeps_the_deadline_heap_small() -> None:
+    """Every touch pushed a deadline entry that stayed until the TTR came round: a worker that
+    heartbeats a long job grew the broker by ~105 bytes a touch (1M touches: +100 MB)."""
+    async def body() -> None:
+        conn, t = connect(make_server())
+        conn.data_received(b"put 0 0 3600 1\r\nx\r\nreserve\r\n")
+        assert t.take() == b"INSERTED 1\r\nRESERVED 1 1\r\nx\r\n"
+        for _ in range(50):
+            conn.data_received(b"touch 1\r\n" * 200)
+        assert t.take() == b"TOUCHED\r\n" * 10_000
+        assert len(conn.client.deadlines) <= 2 * 1 + 64 + 1
+        conn.data_received(b"stats-job 1\r\n")
+        assert b"state: reserved\n" in t.take()
+    run(body)
+
+
+def test_closed_connections_do_not_stay_in_the_timer_heap() -> None:
+    """A closed worker's TTR entry (and a hung-up reserve-with-timeout's) held the connection, its
+    tube and its deadline heap until it came due, hours later, when a live entry stood before it:
+    ~1.5 KB per short-lived worker."""
+    async def body() -> None:
+        server = make_server()
+        queue = server.queue
+        keeper, kt = connect(server)
+        keeper.data_received(b"put 0 0 1800 1\r\nx\r\nreserve\r\n")  # a live entry at the top of the heap
+        assert kt.take() == b"INSERTED 1\r\nRESERVED 1 1\r\nx\r\n"
+        for n in range(3000):
+            conn, t = connect(server)
+            conn.data_received(b"use w%d\r\nwatch w%d\r\nignore default\r\nput 0 0 3600 1\r\nx\r\nreserve\r\n"
+                               b"delete %d\r\nreserve-with-timeout 3600\r\n" % (n, n, n + 2))
+            assert t.take().endswith(b"DELETED\r\n")
+            conn.connection_lost(None)
+        assert queue.cur_conns == 1 and len(queue.jobs) == 1 and len(queue.tubes) == 1
+        assert len(queue.timers) <= 2 * 3 + 1024 + 2  # not two entries per closed connection (6,000)
+    run(body)
+
+
+def test_a_paused_tube_nobody_uses_any_more_is_freed() -> None:
+    """pause-tube pushed an unpause entry that kept the tube (and its name) alive until it came
+    due, up to 2**32 s away, long after its last user and job were gone."""
+    async def body() -> None:
+        server = make_server()
+        queue = server.queue
+        for n in range(3000):
+            conn, t = connect(server)
+            conn.data_received(b"use p%d\r\npause-tube p%d 4000000\r\n" % (n, n))
+            assert t.take() == b"USING p%d\r\nPAUSED\r\n" % n
+            conn.connection_lost(None)
+        assert len(queue.tubes) == 1  # default
+        assert len(queue.timers) <= 1024 + 3
+    run(body)

@@ -44,6 +44,9 @@ class Sink:
     def get_write_buffer_size(self) -> int:
         return 0
 
+    def is_closing(self) -> bool:
+        return False
+
     def abort(self) -> None:
         pass
 

@@ -21,6 +21,13 @@ A chaos thread waits a random 2-10 s, then does one of:
   partition the proxy refuses connections for 1-4 s (every connection dropped first)
   requery   stop the query and start it again from its checkpoint (a driver restart)
 
+With ``--disk faulty`` (ours) the binlog sits on tests/faultfs.py, a FUSE file system that fails
+on command, and the broker runs ``-f 0`` (every acknowledged change fsynced); two more actions:
+
+  disk-error  every write (or every fsync) of the binlog fails with EIO for 0.5-3 s, then works again
+  power-cut   the pages written since the last fsync are lost (a seeded random half of them, in any
+              order), then the broker is SIGKILLed and started again on what reached the "disk"
+
 With ``--server cluster`` the broker is a replica set instead (etcd + 3 of our members,
 ``--sync-replicas 1``, docs/replication.md), used as ``cluster:a,b,c`` with no proxy; the producer
 puts to whichever member leads. Its chaos:
@@ -91,6 +98,7 @@ from spark_beanstalk.session import get_spark  # noqa: E402
 from spark_beanstalk.writer import MARKER_PREFIX, PARTITION_MARK, beanstalk_put  # noqa: E402
 from tests.helpers import (  # noqa: E402
     BatchFiles,
+    FaultyDisk,
     ReplicaSet,
     TcpProxy,
     drain_tube,
@@ -103,6 +111,7 @@ from tests.helpers import (  # noqa: E402
 
 CHAOS = {  # action -> weight
     "single": {"kill": 4, "cut": 3, "partition": 1, "requery": 2},
+    "disk": {"kill": 2, "cut": 2, "partition": 1, "requery": 2, "disk-error": 3, "power-cut": 3},
     "cluster": {"kill-leader": 4, "kill-replica": 2, "stop-leader": 2, "stop-replica": 1, "requery": 2},
 }
 TRIGGER = "500 milliseconds"
@@ -160,7 +169,7 @@ class Soak:
     def __init__(self, opts: argparse.Namespace, work: Path) -> None:
         self.opts, self.work = opts, work
         self.rng = random.Random(opts.seed)
-        weights = CHAOS["cluster" if opts.server == "cluster" else "single"]
+        weights = CHAOS["cluster" if opts.server == "cluster" else "disk" if opts.disk == "faulty" else "single"]
         chosen = opts.actions.split(",") if opts.actions else list(weights)
         unknown = sorted(set(chosen) - set(weights))
         if unknown:
@@ -169,14 +178,23 @@ class Soak:
         self.srv: ServerProcess | None = None
         self.proxy: TcpProxy | None = None
         self.rs: ReplicaSet | None = None
+        self.disk: FaultyDisk | None = None
+        if opts.disk == "faulty" and opts.server != "ours":
+            raise SystemExit("soak: --disk faulty needs --server ours")
         if opts.server == "cluster":
             self.rs = ReplicaSet(str(work / "rs"))
             self.hosts = self.rs.hosts
             self.direct_hosts = self.rs.hosts
         else:
             binlog = work / "binlog"
+            flags = ["-b", str(binlog)]
+            if opts.disk == "faulty":
+                self.disk = FaultyDisk(work / "disk")
+                binlog = self.disk.mount / "binlog"
+                flags = ["-b", str(binlog), "-f", "0"]
             binlog.mkdir(parents=True)
-            self.srv = start_server(opts.server, extra_args=["-b", str(binlog)], stderr_path=str(work / "server.log"))
+            self.binlog = binlog
+            self.srv = start_server(opts.server, extra_args=flags, stderr_path=str(work / "server.log"))
             self.proxy = TcpProxy(self.srv.host, self.srv.port)
             self.hosts = self.proxy.address
             self.direct_hosts = self.srv.address
@@ -227,6 +245,18 @@ class Soak:
             self.proxy.restore()
         elif action == "requery":
             self.restart_query(failed=False)
+        elif action == "disk-error":
+            assert self.disk is not None
+            fault = self.rng.choice(["fail-write", "fail-fsync"])
+            self.disk.fail(fault)
+            time.sleep(self.rng.uniform(0.5, 3))
+            self.disk.heal(fault)
+        elif action == "power-cut":
+            assert self.disk is not None and self.srv is not None
+            self.disk.fail("power-cut", str(self.rng.randrange(1 << 30)))
+            self.srv.kill()
+            self.disk.heal("power-cut")
+            self.srv.restart()
         elif action in ("kill-leader", "kill-replica", "stop-leader", "stop-replica"):
             self.end_member(action.endswith("-leader"), crash=action.startswith("kill"))
 
@@ -253,7 +283,7 @@ class Soak:
         if self.rs is not None:
             return [(m, self.work / "rs" / f"m{i}") for i, m in enumerate(self.rs.members)]
         assert self.srv is not None
-        return [(self.srv, self.work / "binlog")]
+        return [(self.srv, self.binlog)]
 
     def sample(self) -> None:
         """Each broker's RSS and binlog disk use (allocated blocks) now: neither may grow with the jobs that
@@ -288,6 +318,8 @@ class Soak:
             self.proxy.close()
         if self.srv is not None:
             self.srv.stop()
+        if self.disk is not None:
+            self.disk.close()
         if self.rs is not None:
             self.rs.stop()
 
@@ -447,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="how long the chaos runs")
     p.add_argument("--server", choices=("ours", "beanstalkd", "cluster"), default="ours")
+    p.add_argument("--disk", choices=("plain", "faulty"), default="plain",
+                   help="ours: the binlog on a FUSE file system with I/O errors and power cuts (-f 0)")
     p.add_argument("--side", choices=("read", "write"), default="read",
                    help="the source reading (default) or a writer putting, through the faults")
     p.add_argument("--sink", choices=("foreachbatch", "format"), default="foreachbatch",
@@ -485,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 soak.workload.stop()
             soak.close()
     result = {
-        "side": opts.side, "server": opts.server, "minutes": opts.minutes, "seed": opts.seed,
+        "side": opts.side, "server": opts.server, "disk": opts.disk, "minutes": opts.minutes, "seed": opts.seed,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "actions": dict(soak.actions),
         **outcome, "failures": soak.failures, "samples": soak.samples, "events": soak.events,
     }

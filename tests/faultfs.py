@@ -122,7 +122,7 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
         self._check_power()
         st = os.lstat(self._full(path))
         return {key: getattr(st, key) for key in (
-            "st_atime", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")}
+            "st_atime", "st_blocks", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")}
 
     def access(self, path: str, amode: int) -> int:
         if not os.access(self._full(path), amode):

@@ -69,6 +69,7 @@ keep running while the broker is down (times are stored as wall-clock time).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -164,7 +165,7 @@ class Binlog(SegmentLog):
         del rec
         if self._damaged:
             if not self._rebase(force=True, damaged=self._damaged):
-                raise BinlogError(f"--binlog-ignore-damage: cannot rewrite the recovered jobs into a new segment "
+                raise BinlogError(f"cannot rewrite the jobs recovered around damage into a new segment "
                                   f"({self._write_error})")
             say(f"rewrote {self._nlive:,} recovered jobs into {fmt.segment_name(self._cur)}")
         self._drop_empty_segments()
@@ -219,6 +220,9 @@ class Binlog(SegmentLog):
             raise StorageFull("binlog: disk full")
 
     def job_updated(self, job: Job) -> None:
+        if self._suspect:
+            self._unlogged = True  # the base to come holds it; no reply may acknowledge it before
+            return
         if self._append_update(job):
             self._must_sync = True
             self.records_written += 1
@@ -229,7 +233,8 @@ class Binlog(SegmentLog):
         Not counted in ``binlog-records-written``, which stays what beanstalkd (which does not
         log reserves) reports for the same commands.
         """
-        self._append_update(job)
+        if not self._suspect:
+            self._append_update(job)
 
     def _append_update(self, job: Job) -> bool:
         state = job.state
@@ -250,7 +255,9 @@ class Binlog(SegmentLog):
         return True
 
     def job_deleted(self, job: Job) -> None:
-        if self._alloc - self._pos < DEL and not self._fit(DEL, 0):
+        if self._suspect:
+            self._unlogged = True  # as in job_updated
+        elif self._alloc - self._pos < DEL and not self._fit(DEL, 0):
             say(f"ERROR: no room to log the delete of job {job.id}; it comes back after a crash until the "
                 f"segment holding it is dropped")
         else:
@@ -289,12 +296,11 @@ class Binlog(SegmentLog):
             if self._buf:
                 self._flush()
             if self.fsync_ms == 0 and self._must_sync and self._dirty and not self._suspect:
-                try:
+                with contextlib.suppress(OSError):  # recorded by _sync_now
                     self._sync_now()
-                except OSError as exc:
-                    self._io_failed("fdatasync", exc)
-        changed = self.records_written != self._acked
+        changed = self.records_written != self._acked or self._unlogged
         self._acked = self.records_written
+        self._unlogged = False
         if not self._suspect or self._rebase():
             return True
         self._pos -= len(self._buf)  # never written: the base that ends the failure holds their changes
@@ -337,20 +343,26 @@ class Binlog(SegmentLog):
         try:
             if self._suspect and self.queue is not None and not self._rebase(force=True):
                 say("ERROR: shutting down with a binlog that could not be rewritten after an I/O error; "
-                    "the next start may need --binlog-ignore-damage")
+                    "the next start reads what reached the disk")
             if self._fd >= 0:
-                self._flush()
-                os.ftruncate(self._fd, self._pos)
-                self._sync_now()
-                with self._fd_lock:
-                    os.close(self._fd)
-                    self._fd = -1
+                try:
+                    if not self._suspect:
+                        self._flush()
+                        os.ftruncate(self._fd, self._pos)
+                        self._sync_now()
+                finally:
+                    with self._fd_lock:
+                        os.close(self._fd)
+                        self._fd = -1
             if self._spare_fd >= 0:
                 os.close(self._spare_fd)
                 self._spare_fd = -1
                 self.files.unlink(self._cur + 1)
-        finally:
             self.files.close()
+        except OSError as exc:  # a failing disk at shutdown: say so, as the rest of the run did
+            say(f"ERROR: the binlog could not be closed cleanly: {exc.strerror or exc}; "
+                f"the next start reads what reached the disk")
+            self.files.abandon()
 
     def abandon(self) -> None:
         """For tests: drop everything the way SIGKILL does (what was buffered is lost, nothing

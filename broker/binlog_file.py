@@ -181,9 +181,11 @@ class BinlogDir:
             os.close(fd)
 
     def unlink(self, idx: int) -> None:
-        """Unlink a segment (missing is fine); durable only after the next :meth:`fsync`."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.segment(idx))
+        """Unlink a segment, under its plain or its *.base name (missing is fine); durable only
+        after the next :meth:`fsync`."""
+        for suffix in ("", fmt.BASE_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.segment(idx) + suffix)
 
     def remove(self, idx: int) -> None:
         """Unlink a segment and make that durable."""

@@ -80,8 +80,9 @@ class Scanner:
     def scan(self) -> ScanResult:
         t0 = self._last_report = time.monotonic()
         indexes = self._drop_unused_spare(self.dir.indexes())
+        last = self._newest_with_records(indexes)
         for n, idx in enumerate(indexes):
-            self.scan_segment(n, len(indexes), idx)
+            self.scan_segment(n, len(indexes), idx, newest=n >= last)
         self.result.seconds = time.monotonic() - t0
         return self.result
 
@@ -96,11 +97,26 @@ class Scanner:
             self.dir.remove(indexes.pop())
         return indexes
 
-    def scan_segment(self, n: int, total: int, idx: int) -> None:
-        """Read segment ``idx`` (the n-th of ``total``): check its header, apply its records."""
+    def _newest_with_records(self, indexes: list[int]) -> int:
+        """The position of the last segment with anything after its header. A start that died
+        after making its new segment (header only) and before rewriting a damaged one must not
+        turn the damaged one into an older segment (see _unsynced_lost): the next start would
+        refuse what the first one accepted."""
+        pos = len(indexes) - 1
+        while pos > 0:
+            data = read_file(self.dir.segment(indexes[pos]))
+            if not fmt.only_zeros(data, min(len(data), fmt.HEADER_SIZE), len(data)):
+                break
+            pos -= 1
+        return pos
+
+    def scan_segment(self, n: int, total: int, idx: int, newest: bool | None = None) -> None:
+        """Read segment ``idx`` (the n-th of ``total``): check its header, apply its records.
+        ``newest``: it may hold records written since the last fsync (default: it is the last)."""
         rec = self.result
         path = self.dir.segment(idx)
-        newest = n == total - 1
+        if newest is None:
+            newest = n == total - 1
         try:
             data = read_file(path)
         except OSError as exc:

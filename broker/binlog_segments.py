@@ -84,6 +84,8 @@ class SegmentLog(QueueListener):
         self._suspect = False
         self._rebase_at = 0.0
         self._acked = 0  # records_written when sync_point last let replies go
+        self._unlogged = False  # a change left unlogged since then (the log failing): no reply may go
+        self._base_pending = 0  # a base still named *.base: the segments it replaces are not all gone
         self.io_errors = 0  # failed writes and fsyncs (the metrics endpoint)
         self.rebuilds = 0  # bases written after an I/O error
         self.records_written = 0  # beanstalkd's count: reserve records are not in it
@@ -146,10 +148,11 @@ class SegmentLog(QueueListener):
             os.fdatasync(fd)
             files.crash_point("base-written")
             files.commit_base(idx)
-        except OSError as exc:
+        except OSError as exc:  # not committed, or not durably: the older segments stand, this one goes
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(files.segment(idx) + fmt.PARTIAL_SUFFIX)
+            for suffix in (fmt.PARTIAL_SUFFIX, fmt.BASE_SUFFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(files.segment(idx) + suffix)
             self._io_failed("writing a new base segment", exc)
             return False
         # Committed: the state is in the base; every older segment is garbage from here.
@@ -162,25 +165,31 @@ class SegmentLog(QueueListener):
                 with contextlib.suppress(OSError):
                     os.close(stale)
         self._spare_fd, self._spare_room, self._spare_alloc = -1, 0, 0
-        dropped = [*self._order, spare] if spare else list(self._order)
+        left = [*self._order, spare] if spare else list(self._order)
+        failed: OSError | None = None
         try:
-            for old in dropped:
+            while left:
+                old = left[0]
                 if old in damaged:
                     say(f"damaged segment set aside as {files.set_aside(old)}")
                 else:
-                    files.unlink(old)
+                    files.unlink(old)  # a base left from an earlier failed drop too
                     files.crash_point("base-unlinked")
+                del left[0]
             files.fsync()
             files.finish_base(idx)
-        except OSError as exc:  # the next start finishes it (BinlogDir.settle)
-            say(f"WARNING: could not remove the segments the new base {fmt.segment_name(idx)} replaces: "
-                f"{exc.strerror or exc}")
+        except OSError as exc:
+            failed = exc
         for job in queue.jobs.values():
             job.file = idx
         self._cur, self._alloc, self._pos = idx, alloc, written
         self._buf.clear()  # records not written yet: the base holds their changes
-        self._order = [idx]
-        self._live = {idx: len(ids)}
+        # Segments the base replaces but that could not be removed stay listed (live 0, so
+        # _drop_dead_prefix tries them again), and the base keeps its *.base name until they
+        # are gone (a start in between removes them: BinlogDir.settle). Nothing is lost meanwhile:
+        # the base is durable, and dropping it later removes it under either name.
+        self._order = [*left, idx]
+        self._live = {**dict.fromkeys(left, 0), idx: len(ids)}
         self._size = {}
         self._ids = {idx: ids}
         self._cur_ids = ids
@@ -188,6 +197,11 @@ class SegmentLog(QueueListener):
         self._nlive, self._live_bytes, self._disk_bytes = len(ids), live_bytes, 0
         self._maint = False
         self._spare_retry_at = 0.0
+        self._base_pending = idx if failed is not None else 0
+        if failed is not None:
+            say(f"WARNING: could not remove the segments the new base {fmt.segment_name(idx)} replaces "
+                f"({failed.strerror or failed}); tried again as old segments are dropped")
+            self._maint = True
         if self._write_error is not None:
             self.rebuilds += 1
             say(f"the binlog works again: {len(ids):,} live jobs rewritten into {fmt.segment_name(idx)}, "
@@ -220,6 +234,8 @@ class SegmentLog(QueueListener):
 
     def _rotate(self, need: int) -> bool:
         """Switch to the next segment, which must have room for a ``need``-byte record."""
+        if self._suspect:
+            return False  # nothing more goes to the old segments: the base replaces them
         if (self._spare_fd < 0 or self._spare_room < need) and not self._make_spare(need):
             return False
         # finish the current segment: everything in it on disk before anything goes to the next
@@ -228,9 +244,12 @@ class SegmentLog(QueueListener):
             return False  # the old segment cannot be finished (write error): stay on it
         try:
             os.ftruncate(self._fd, self._pos)  # give back the allocated space it will not use
-            self._sync_now()
         except OSError as exc:
             self._io_failed("finishing a segment", exc)
+            return False
+        try:
+            self._sync_now()
+        except OSError:
             return False
         self.files.crash_point("rotate-old-synced")
         old = self._fd
@@ -326,9 +345,10 @@ class SegmentLog(QueueListener):
         return True
 
     def _flush(self) -> None:
-        """Write the buffer to the current segment (one os.write, normally)."""
+        """Write the buffer to the current segment (one os.write, normally); nothing while the log
+        is failing (records written after a lost stretch would make it look damaged)."""
         buf = self._buf
-        if not buf:
+        if not buf or self._suspect:
             return
         self.writes += 1
         try:
@@ -352,22 +372,29 @@ class SegmentLog(QueueListener):
         self._suspect = True
 
     def _sync_now(self, only_if_dirty: bool = False) -> None:
-        """fdatasync the current segment (the fsync thread: only if written since the last one)."""
+        """fdatasync the current segment (the fsync thread: only if written since the last one).
+
+        A failure marks the log failing before the lock is let go, then raises: the kernel
+        reports a writeback error once, so another thread's fsync right after succeeds, and
+        must find the flag set (see _drop_dead_prefix), as must a _rebase (it swaps the fd
+        under this lock)."""
         with self._fd_lock:
             if self._fd >= 0 and (self._dirty or not only_if_dirty):
                 self._dirty = False
                 self._must_sync = False
                 started = time.perf_counter()
-                os.fdatasync(self._fd)
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:
+                    self._io_failed("fdatasync", exc)
+                    raise
                 self.fsync_seconds += time.perf_counter() - started
                 self.fsync_count += 1
 
     def _sync_dirty(self) -> None:
-        """The -f MS thread's fsync."""
-        try:
+        """The -f MS thread's fsync (a failure is already recorded by _sync_now)."""
+        with contextlib.suppress(OSError):
             self._sync_now(only_if_dirty=True)
-        except OSError as exc:
-            self._io_failed("fdatasync", exc)
 
     def _needs_compaction(self) -> bool:
         return len(self._order) > 1 and self._disk_bytes + self._pos > 2 * self._live_bytes + 2 * self.seg_size
@@ -417,7 +444,8 @@ class SegmentLog(QueueListener):
     def _drop_dead_prefix(self) -> None:
         order = self._order
         live = self._live
-        if len(order) < 2 or live[order[0]]:
+        unfinished = self._base_pending and order and order[0] == self._base_pending
+        if (len(order) < 2 or live[order[0]]) and not unfinished:
             return
         # the records that superseded those segments must be on disk before they go
         self._flush()
@@ -425,9 +453,10 @@ class SegmentLog(QueueListener):
             return
         try:
             self._sync_now()
-        except OSError as exc:
-            self._io_failed("fdatasync", exc)
+        except OSError:
             return
+        if self._suspect:
+            return  # an fsync failed meanwhile (the fsync thread's): this success proves nothing
         self.files.crash_point("compact-synced")
         try:
             while len(order) > 1 and not live[order[0]]:
@@ -436,6 +465,9 @@ class SegmentLog(QueueListener):
                 self.files.crash_point("compact-unlinked")
                 self.files.fsync()
                 self._forget(idx)
+            if self._base_pending and order[0] == self._base_pending:
+                self.files.finish_base(self._base_pending)  # every segment it replaces is gone
+                self._base_pending = 0
         except OSError as exc:  # nothing is lost: the segment stays, and is tried again later
             say(f"WARNING: could not delete an old segment: {exc.strerror or exc}")
 

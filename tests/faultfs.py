@@ -8,6 +8,8 @@ directory outside the mount), so a test turns a fault on or off by creating or r
 * ``fail-fsync``: every ``fsync``/``fdatasync`` of a file fails with EIO, and the data written to
   that file since its last successful fsync is lost, as the kernel drops the dirty pages of a
   failed writeback (a retried fsync then reports success over data that is not there);
+* ``fail-unlink`` / ``fail-rename``: unlinking / renaming a file whose path contains the flag
+  file's text fails with EIO;
 * ``power-cut``: every file loses what was written since its last successful fsync, then every
   operation fails with EIO until the flag is removed (the disk went away with the power). If
   the flag file holds a number, it seeds a random choice instead: each 4 KiB page that unsynced
@@ -68,6 +70,14 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
     # -- faults --------------------------------------------------------------------------
     def _flag(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.control, name))
+
+    def _matches(self, name: str, path: str) -> bool:
+        """Whether the flag ``name`` is on and its text is part of ``path``."""
+        try:
+            with open(os.path.join(self.control, name)) as fh:
+                return fh.read() in path
+        except FileNotFoundError:
+            return False
 
     def _check_power(self) -> None:
         flag = os.path.join(self.control, "power-cut")
@@ -151,6 +161,8 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
 
     def unlink(self, path: str) -> int:
         self._check_power()
+        if self._matches("fail-unlink", path):
+            raise mfusepy.FuseOSError(errno.EIO)
         with self.mutex:
             self.undo.pop(path, None)
         os.unlink(self._full(path))
@@ -158,6 +170,8 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
 
     def rename(self, old: str, new: str) -> int:
         self._check_power()
+        if self._matches("fail-rename", old):
+            raise mfusepy.FuseOSError(errno.EIO)
         with self.mutex:
             undo = self.undo.pop(old, None)
             if undo is not None:

@@ -194,7 +194,8 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
         asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard,
                            before_start=member.install if member is not None else None))
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
+        where = listen if listen.startswith("unix:") else f"{listen}:{port}"
+        raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}") from None
 
 
 async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],

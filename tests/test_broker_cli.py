@@ -83,6 +83,38 @@ def test_unix_socket_listener(tmp_path):
         proc.wait(10)
 
 
+def test_unix_listener_never_removes_a_file_that_is_not_a_socket(tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("important")
+    result = subprocess.run([sys.executable, "-m", "broker", "-l", f"unix:{data}"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode != 0
+    assert "exists and is not a socket" in result.stderr and "Traceback" not in result.stderr
+    assert data.read_text() == "important"
+    result = subprocess.run([sys.executable, "-m", "broker", "-l", "unix:"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode != 0
+    assert "unix: needs a path" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unix_listener_replaces_a_stale_socket(tmp_path):
+    path = tmp_path / "stale.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays: a socket left by a broker that died
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "-l", f"unix:{path}"])
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(5)
+        wait_until(lambda: proc.poll() is not None or sock.connect(str(path)) is None, 15,
+                   "a connection on the unix socket", retry_on=(ConnectionRefusedError, FileNotFoundError))
+        assert proc.poll() is None
+        sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_config_file_and_flags_override_it(tmp_path):
     port = free_port()
     conf = tmp_path / "broker.toml"

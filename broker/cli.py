@@ -196,6 +196,8 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
     except OSError as exc:
         where = listen if listen.startswith("unix:") else f"{listen}:{port}"
         raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    if member is not None and member.fatal is not None:
+        raise click.ClickException(member.fatal)
 
 
 async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],

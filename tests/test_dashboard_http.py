@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import subprocess
+import sys
 from typing import Any
 
 from aiohttp import ClientSession, CookieJar
@@ -20,6 +23,7 @@ from spark_beanstalk.dashboard.actions import body_view
 from spark_beanstalk.dashboard.app import create_app
 from spark_beanstalk.dashboard.command import tcp_endpoint
 from spark_beanstalk.dashboard.guard import Guard
+from tests.helpers import free_port
 
 
 async def _with_app(server: Any, guard: Guard, walk: Any) -> Any:
@@ -128,3 +132,23 @@ def test_two_servers_and_a_cross_site_post(server_factory):
         assert conn.stats_tube("default")["current-jobs-ready"] == 1
     with Connection(ours.host, ours.port) as conn:
         assert conn.stats_tube("default")["current-jobs-ready"] == 0
+
+
+def test_taken_listen_port_with_a_refusing_server_exits():
+    """The sampler must stop even when its cancel lands as a connect is refused."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "dashboard", "-H",
+                                 f"127.0.0.1:{free_port()}", "--listen", listen],
+                                capture_output=True, text=True, timeout=30)
+    finally:
+        taken.close()
+    assert result.returncode == 1 and f"cannot listen on {listen}" in result.stderr
+
+
+def test_listen_port_out_of_range_is_a_usage_error():
+    result = CliRunner().invoke(main, ["dashboard", "--listen", "127.0.0.1:70000"])
+    assert result.exit_code == 2 and "out of range" in result.output

@@ -225,3 +225,13 @@ def test_broker_connector_and_cli_read_token_files_alike(case: TokenCase, tmp_pa
     with pytest.raises(OpsError, match=case.why) as err:
         _read_token(str(path))
     assert err.value.exit_code == 2
+
+
+# --- listener addresses --------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", ["127.0.0.1:65536", "127.0.0.1:99999", ":70000"])
+def test_listen_port_beyond_65535_is_refused(address: str) -> None:
+    from beanstalk_rules.hosts import parse_listen
+
+    with pytest.raises(ValueError, match="out of range"):
+        parse_listen(address)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from beanstalk_rules.numbers import FiniteFloat
 from broker import _build, logs
 from broker import protocol as p
 from broker.busypoll import DEFAULT_WINDOW_US, MAX_WINDOW_US
@@ -108,11 +109,11 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
 @click.option("--max-tubes", type=click.IntRange(0), default=0, help="use/watch of a new tube beyond this many.")
 @click.option("--max-reserved-per-connection", type=click.IntRange(0), default=0,
               help="Reserves beyond this many jobs held by one connection answer OUT_OF_MEMORY.")
-@click.option("--idle-timeout", type=click.FloatRange(0), default=0.0,
+@click.option("--idle-timeout", type=FiniteFloat(0), default=0.0,
               help="Close connections silent for this many seconds (not those blocked in reserve).")
 @click.option("--max-output-bytes", type=click.IntRange(1 << 16), default=DEFAULT_MAX_OUTPUT_BYTES,
               show_default=True, help="Close a connection whose unread replies pass this size.")
-@click.option("--slow-reader-timeout", type=click.FloatRange(0), default=DEFAULT_SLOW_READER_TIMEOUT,
+@click.option("--slow-reader-timeout", type=FiniteFloat(0), default=DEFAULT_SLOW_READER_TIMEOUT,
               show_default=True,
               help="Close a connection that leaves over 1 MiB of replies unread this long (0: never).")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate (PEM).")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers, uses_tls
+from beanstalk_rules.numbers import finite_float
 from beanstalk_rules.tokens import read_token_text
 from beanstalk_rules.tubes import tube_name_problem
 
@@ -54,9 +55,9 @@ def get_float(options: Mapping[str, str], key: str, default: float, minimum: flo
     if raw is None or raw == "":
         return default
     try:
-        value = float(str(raw).strip())
-    except ValueError:
-        raise OptionError(f"option {key}={raw!r} is not a number") from None
+        value = finite_float(str(raw), f"option {key}")
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     if minimum is not None and value < minimum:
         raise OptionError(f"option {key}={value} is below the minimum {minimum}")
     return value
@@ -278,6 +279,26 @@ def _trigger_limits(options: Mapping[str, str]) -> tuple[int, int, float]:
     return max_jobs, min_jobs, max_delay
 
 
+def _check_dead_letter_path(path: str) -> None:
+    """A local deadLetterPath is a directory (created when a row is refused): refuse, at parse
+    time, one that cannot become one, instead of failing a task when its first bad row arrives.
+
+    Only a file where the directory or one of its parents must be is refused: whether the
+    executors may write there is theirs to find out (they may run elsewhere, as another user).
+    URIs (``scheme://``) are left to their file system.
+    """
+    if not path or "://" in path:
+        return
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+    if not os.path.isdir(current):
+        raise OptionError(f"option deadLetterPath={path!r}: {current} exists and is not a directory")
+
+
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
 # Read by the writers; see spark_beanstalk/writer.py.
 
@@ -373,7 +394,7 @@ class WriterOptions:
             ttr=get_int(o, "ttr", 120, 0, MAX_U32),
             key_column=key_column,
             distribution=distribution,
-            dead_letter_path=get_str(o, "deadLetterPath", "") or None,
+            dead_letter_path=get_str(o, "deadLetterPath", "", check=_check_dead_letter_path) or None,
             validate=validate,
             max_job_size=get_int(o, "maxJobSize", 0, 0),
             window=get_int(o, "window", 1024, 1, 1_000_000),

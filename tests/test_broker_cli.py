@@ -164,6 +164,22 @@ def test_bad_flag_values_are_rejected():
     assert result.returncode == 2 and "ADDR:PORT" in result.stderr
 
 
+@pytest.mark.parametrize("args", [["--idle-timeout", "nan"], ["--slow-reader-timeout", "nan"],
+                                  ["--idle-timeout", "inf"]])
+def test_non_finite_float_flags_are_rejected(args):
+    result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), *args], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and args[0] in result.stderr and "not a finite number" in result.stderr
+
+
+def test_non_finite_float_in_the_config_file_is_rejected(tmp_path):
+    conf = tmp_path / "broker.toml"
+    conf.write_text(f"[broker]\nport = {free_port()}\nidle_timeout = nan\n")
+    result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and "not a finite number" in result.stderr
+
+
 def test_verbose_logs_connections():
     port = free_port()
     log_path = f"/tmp/broker-verbose-{os.getpid()}.log"

@@ -639,3 +639,9 @@ def test_clear_shows_a_progress_bar_on_a_terminal(broker, conn_factory):
     assert proc.returncode == 0
     assert "deleted 500 job(s) from tube 'lots' (ready 500)" in proc.stdout
     assert b"clearing lots" in drawn and b"500" in drawn
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_top_interval_must_be_finite(value):
+    result = CliRunner().invoke(main, ["top", "-n", "1", "--interval", value, "-H", "127.0.0.1:1"])
+    assert result.exit_code == 2 and "'--interval'" in result.output and "not a finite number" in result.output

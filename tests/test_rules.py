@@ -7,6 +7,7 @@ our broker over TCP and both must accept exactly what the rule accepts.
 """
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,6 +203,14 @@ def test_missing_and_unreadable_token_files(tmp_path: Path) -> None:
     big.write_bytes(b"x" * 100_000)
     with pytest.raises(TokenFileError, match="too large"):
         read_token(big)
+
+
+def test_token_file_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO with no writer blocked the reader (a broker, a Spark task) for good."""
+    fifo = tmp_path / "fifo.tok"
+    os.mkfifo(fifo)
+    with pytest.raises(TokenFileError, match="not a regular file"):
+        read_token(fifo)
 
 
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=lambda c: repr(c.content[:16]))

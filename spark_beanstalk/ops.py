@@ -23,6 +23,7 @@ import base64
 import contextlib
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -455,7 +456,9 @@ def put_command(body: str | None, tube: str, priority: int, delay: int, ttr: int
     if body is not None and body != "-":
         if each_line:
             raise click.UsageError("--each-line reads stdin; do not give a BODY")
-        bodies = [body.encode("utf-8")]
+        # The argument's bytes as given: bytes that are not UTF-8 reach us as surrogate escapes
+        # (os.fsdecode of argv), which str.encode("utf-8") refused with a traceback.
+        bodies = [os.fsencode(body)]
     else:
         data = click.get_binary_stream("stdin").read()
         if each_line:

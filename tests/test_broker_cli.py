@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from spark_beanstalk.client import Connection
 from tests.helpers import ServerProcess, broker_process, free_port, wait_until
+from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -178,6 +180,36 @@ def test_non_finite_float_in_the_config_file_is_rejected(tmp_path):
     result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2 and "not a finite number" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    (b"broker = 5\n", "broker must be a table"),
+    (b"port = [1, 2]\n", "port in .* must be a whole number, not \\[1, 2\\]"),
+    (b"port = 21399.7\n", "port in .* must be a whole number, not 21399.7"),
+    (b"binlog_dir = 5\n", "binlog_dir in .* must be a string, not 5"),
+    (b"no_fsync = \"yes\"\n", "no_fsync in .* must be true or false"),
+    (b"\xff\xfe\n", "not UTF-8 text"),
+])
+def test_config_file_with_wrong_types_is_a_clear_error(tmp_path, text, why):
+    conf = tmp_path / "broker.toml"
+    conf.write_bytes(text)
+    result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(why, result.stderr), result.stderr
+
+
+def test_unusable_tls_files_are_a_clear_error(tmp_path, certs):  # noqa: F811  (certs: the fixture)
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    cases = [(["--tls-cert", str(bad), "--tls-key", str(bad)], "--tls-cert"),
+             (["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "client.key")], "--tls-key"),
+             (["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+               "--tls-client-ca", str(bad)], "--tls-client-ca")]
+    for args, named in cases:
+        result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), *args], capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_verbose_logs_connections():

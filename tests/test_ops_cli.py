@@ -115,6 +115,13 @@ def test_put_delay_and_binary_body(server, conn):
     assert human.exit_code == 0 and "256" not in human.stderr
 
 
+def test_put_argument_that_is_not_utf8_keeps_its_bytes(server, conn):
+    result = subprocess.run([os.fsencode(sys.executable), b"-m", b"spark_beanstalk.cli", b"put", b"\xff\xfe",
+                             b"--json", b"-H", server.address.encode()], capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert conn.peek(json.loads(result.stdout)["id"]).body == b"\xff\xfe"
+
+
 def test_put_job_too_big_is_one_clear_line(server_factory, server):
     small = server_factory(server.kind, extra_args=["-z", "10"])
     result = cli(small, "put", "x" * 11)

@@ -152,3 +152,18 @@ def test_taken_listen_port_with_a_refusing_server_exits():
 def test_listen_port_out_of_range_is_a_usage_error():
     result = CliRunner().invoke(main, ["dashboard", "--listen", "127.0.0.1:70000"])
     assert result.exit_code == 2 and "out of range" in result.output
+
+
+def test_non_ascii_csrf_value_is_refused_not_a_server_error(server):
+    async def walk(http: ClientSession) -> list[tuple[int, str]]:
+        async with http.get("/"):
+            pass  # the session cookie
+        out = []
+        for path in ("/action", "/login", "/logout"):
+            form = {"csrf": "caf\u00e9", "s": "0", "t": "default", "action": "put", "body": "x", "token": "t"}
+            async with http.post(path, data=form, allow_redirects=False) as resp:
+                out.append((resp.status, await resp.text()))
+        return out
+
+    for status, text in asyncio.run(_with_app(server, Guard(action_token=b"t"), walk)):
+        assert status == 403 and "wrong CSRF token" in text

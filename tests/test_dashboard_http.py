@@ -167,3 +167,15 @@ def test_non_ascii_csrf_value_is_refused_not_a_server_error(server):
 
     for status, text in asyncio.run(_with_app(server, Guard(action_token=b"t"), walk)):
         assert status == 403 and "wrong CSRF token" in text
+
+
+def test_pause_action_with_a_bad_tube_name_says_bad_format(server):
+    async def walk(http: ClientSession) -> tuple[int, str]:
+        async with http.get("/") as resp:
+            csrf = _csrf(await resp.text())
+        form = {"csrf": csrf, "s": "0", "t": "bad!", "action": "pause", "seconds": "5"}
+        async with http.post("/action", data=form) as resp:
+            return resp.status, await resp.text()
+
+    status, text = asyncio.run(_with_app(server, Guard(), walk))
+    assert status == 400 and "BAD_FORMAT" in text and "not found" not in text

@@ -652,3 +652,11 @@ def test_clear_shows_a_progress_bar_on_a_terminal(broker, conn_factory):
 def test_top_interval_must_be_finite(value):
     result = CliRunner().invoke(main, ["top", "-n", "1", "--interval", value, "-H", "127.0.0.1:1"])
     assert result.exit_code == 2 and "'--interval'" in result.output and "not a finite number" in result.output
+
+
+@pytest.mark.parametrize("args", [["pause", "default", "99999999999"], ["pause", "bad!", "5"],
+                                  ["delete", str(2**70)], ["kick", "--job", str(2**70)]])
+def test_bad_format_is_reported_as_such_not_as_not_found(server, args):
+    result = cli(server, *args)
+    assert result.exit_code != 0
+    assert "BAD_FORMAT" in result.stderr and "not found" not in result.stderr, result.stderr

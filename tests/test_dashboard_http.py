@@ -179,3 +179,13 @@ def test_pause_action_with_a_bad_tube_name_says_bad_format(server):
 
     status, text = asyncio.run(_with_app(server, Guard(), walk))
     assert status == 400 and "BAD_FORMAT" in text and "not found" not in text
+
+
+def test_a_negative_server_number_is_not_found(server):
+    """s=-1 was a list index from the end: it showed (and acted on) the last server."""
+    async def walk(http: ClientSession) -> tuple[int, str]:
+        async with http.get("/tube?s=-1&t=default") as resp:
+            return resp.status, await resp.text()
+
+    status, text = asyncio.run(_with_app(server, Guard(), walk))
+    assert status == 404 and "no server number" in text

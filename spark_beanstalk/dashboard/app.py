@@ -123,7 +123,10 @@ class Dashboard:
 
     def _view(self, raw: str) -> ServerView:
         try:
-            return self.sampler.views[int(raw)]
+            index = int(raw)
+            if index < 0:  # a list index from the end: s=-1 picked the last server
+                raise IndexError(index)
+            return self.sampler.views[index]
         except (ValueError, IndexError):
             raise PageError(f"no server number {raw!r} on this dashboard", 404) from None
 

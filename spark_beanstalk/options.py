@@ -100,16 +100,17 @@ def get_str(options: Mapping[str, str], key: str, default: str,
 
 
 def get_brokers(options: Mapping[str, str], key: str = "hosts",
-                default: str = "127.0.0.1:11300", unique: bool = False) -> tuple[BrokerAddress, ...]:
-    """The logical brokers of a hosts option (a ``cluster:`` replica set is one); with `unique`,
-    no server twice (the source keys what it holds by broker)."""
+                default: str = "127.0.0.1:11300") -> tuple[BrokerAddress, ...]:
+    """The logical brokers of a hosts option (a ``cluster:`` replica set is one), no server twice:
+    the source keys what it holds by broker, and the writer keys its batch markers and its hash
+    slots by broker (the same server twice got two slots and raced on one marker tube)."""
     spec = get_str(options, key, default)
     try:
         brokers = parse_brokers(spec)
     except ValueError as exc:
         raise OptionError(f"option {key}: {exc}") from None
     servers = [m.address for b in brokers for m in b.members]
-    if unique and len(set(servers)) != len(servers):
+    if len(set(servers)) != len(servers):
         raise OptionError(f"option {key} names a broker twice: {spec!r}")
     return tuple(brokers)
 
@@ -223,7 +224,7 @@ class SourceOptions:
         if unknown:   # named as the user spelled them
             raise OptionError(f"unknown beanstalk source option(s) {', '.join(unknown)}; "
                               f"known options: {', '.join(cls.KEYS)}")
-        brokers = get_brokers(options, "hosts", unique=True)
+        brokers = get_brokers(options, "hosts")
         tubes = get_tubes(options, "tubes")
         if len(set(tubes)) != len(tubes):
             raise OptionError(f"option tubes names a tube twice: {','.join(tubes)!r}")

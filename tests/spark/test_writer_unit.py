@@ -85,6 +85,15 @@ def test_non_finite_float_options_are_refused(key, value):
         WriterOptions.parse({key: value})
 
 
+@pytest.mark.parametrize("hosts", ["127.0.0.1:1,127.0.0.1:1", "cluster:a:1,b:1;b:1"])
+def test_a_server_named_twice_is_refused_as_by_the_source(hosts):
+    from spark_beanstalk.options import SourceOptions
+
+    for parse in (WriterOptions.parse, SourceOptions.parse):
+        with pytest.raises(OptionError, match="option hosts names a broker twice"):
+            parse({"hosts": hosts})
+
+
 def test_dead_letter_path_that_cannot_be_a_directory_is_refused(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

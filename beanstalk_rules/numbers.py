@@ -12,15 +12,22 @@ from typing import Any
 
 import click
 
+# Every float setting is seconds or a fraction: none needs more than ~31 years, and beyond
+# time_t (1e300 as a sleep) time functions raise OverflowError.
+LARGEST = 1e9
+
 
 def finite_float(text: str | float, name: str) -> float:
-    """``text`` as a float; ValueError naming ``name`` when it is not a number or not finite."""
+    """``text`` as a float; ValueError naming ``name`` when it is not a number, not finite, or
+    beyond LARGEST either way."""
     try:
         value = float(text.strip() if isinstance(text, str) else text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number") from None
     if not math.isfinite(value):
         raise ValueError(f"{name}={text!r} is not a finite number")
+    if abs(value) > LARGEST:
+        raise ValueError(f"{name}={text!r} is beyond {LARGEST:g}, larger than any setting needs")
     return value
 
 

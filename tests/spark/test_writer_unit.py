@@ -83,6 +83,8 @@ def test_options_errors_name_key_and_value():
 def test_non_finite_float_options_are_refused(key, value):
     with pytest.raises(OptionError, match=f"option {key}=.* is not a finite number"):
         WriterOptions.parse({key: value})
+    with pytest.raises(OptionError, match=f"option {key}=.* is beyond"):
+        WriterOptions.parse({key: "1e300"})
 
 
 @pytest.mark.parametrize("hosts", ["127.0.0.1:1,127.0.0.1:1", "cluster:a:1,b:1;b:1"])

@@ -17,17 +17,18 @@ import click
 LARGEST = 1e9
 
 
-def finite_float(text: str | float, name: str) -> float:
-    """``text`` as a float; ValueError naming ``name`` when it is not a number, not finite, or
-    beyond LARGEST either way."""
+def finite_float(text: str | float, name: str | None = None) -> float:
+    """``text`` as a float; ValueError (naming ``name`` if given) when it is not a number, not
+    finite, or beyond LARGEST either way."""
+    shown = f"{name}={text!r}" if name else repr(text)
     try:
         value = float(text.strip() if isinstance(text, str) else text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number") from None
+        raise ValueError(f"{shown} is not a number") from None
     if not math.isfinite(value):
-        raise ValueError(f"{name}={text!r} is not a finite number")
+        raise ValueError(f"{shown} is not a finite number")
     if abs(value) > LARGEST:
-        raise ValueError(f"{name}={text!r} is beyond {LARGEST:g}, larger than any setting needs")
+        raise ValueError(f"{shown} is beyond {LARGEST:g}, larger than any setting needs")
     return value
 
 
@@ -37,9 +38,8 @@ class FiniteFloat(click.FloatRange):
     name = "finite float"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        label = param.get_error_hint(ctx) if param is not None and ctx is not None else "value"
-        try:
-            finite_float(value, label)
+        try:  # click's message names the flag already
+            finite_float(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
         return super().convert(value, param, ctx)

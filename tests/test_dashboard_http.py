@@ -181,11 +181,14 @@ def test_pause_action_with_a_bad_tube_name_says_bad_format(server):
     assert status == 400 and "BAD_FORMAT" in text and "not found" not in text
 
 
-def test_a_negative_server_number_is_not_found(server):
+def test_a_server_number_that_is_not_plain_digits_is_not_found(server):
     """s=-1 was a list index from the end: it showed (and acted on) the last server."""
-    async def walk(http: ClientSession) -> tuple[int, str]:
-        async with http.get("/tube?s=-1&t=default") as resp:
-            return resp.status, await resp.text()
+    async def walk(http: ClientSession) -> list[tuple[int, str]]:
+        out = []
+        for number in ("-1", "\u0660", "+0"):
+            async with http.get("/tube", params={"s": number, "t": "default"}) as resp:
+                out.append((resp.status, await resp.text()))
+        return out
 
-    status, text = asyncio.run(_with_app(server, Guard(), walk))
-    assert status == 404 and "no server number" in text
+    for status, text in asyncio.run(_with_app(server, Guard(), walk)):
+        assert status == 404 and "no server number" in text

@@ -148,4 +148,6 @@ def parse_listen(address: str, default_host: str | None = "127.0.0.1") -> tuple[
     host = host.strip("[]")
     if not sep or not port.isdigit() or not (host or default_host):
         raise ValueError(f"takes ADDR:PORT, not {address!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} out of range 0-65535 in {address!r}")
     return host or str(default_host), int(port)

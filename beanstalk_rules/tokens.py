@@ -9,7 +9,9 @@ else is refused with a message naming the file, never silently cut.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 MAX_TOKEN_BYTES = 200
 _PRINTABLE = frozenset(range(0x21, 0x7F))  # printable ASCII without the space
@@ -40,7 +42,15 @@ def read_token(path: str | os.PathLike[str]) -> bytes:
     """Read and check a token file; TokenFileError (a ValueError) for every way it can be unusable."""
     name = os.fspath(path)
     try:
-        with open(name, "rb") as fh:
+        # O_NONBLOCK: opening a FIFO waits for a writer, and reading one may never end; a
+        # token file must be a regular file, checked on the open descriptor (no race).
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                raise TokenFileError(f"{name}: not a regular file (a FIFO, socket or device cannot hold a token)")
             data = fh.read(64 * 1024 + 1)
     except FileNotFoundError:
         raise TokenFileError(f"{name}: no such token file") from None

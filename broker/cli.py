@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from beanstalk_rules.numbers import FiniteFloat
 from broker import _build, logs
 from broker import protocol as p
 from broker.busypoll import DEFAULT_WINDOW_US, MAX_WINDOW_US
@@ -27,7 +28,7 @@ from broker.replication.options import (
     member_listener,
     replication_options,
 )
-from broker.security import TlsConfig, load_token
+from broker.security import TlsConfig, TlsFileError, load_token
 from broker.server import (
     BrokerServer,
     ServerConfig,
@@ -65,16 +66,42 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
         raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise click.BadParameter(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{path} is not valid TOML: it is not UTF-8 text") from None
     section = data.get("broker", data)
+    if not isinstance(section, dict):
+        raise click.BadParameter(f"{path}: broker must be a table ([broker]), not {section!r}")
+    params = {param.name: param for param in ctx.command.params}
     defaults = {}
     for key, value in section.items():
         name = _CONFIG_KEYS.get(key.replace("-", "_"))
         if name is None:
             known = ", ".join(sorted(_CONFIG_KEYS))
             raise click.BadParameter(f"unknown key {key!r} in {path}; known keys: {known}")
+        want = _config_type_problem(params[name], value)
+        if want is not None:
+            raise click.BadParameter(f"{key} in {path} must be {want}, not {value!r}")
         defaults[name] = value
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
+
+
+def _config_type_problem(param: click.Parameter, value: object) -> str | None:
+    """What a TOML value for ``param`` must be, or None when its type fits.
+
+    click converts what it is given: 21399.7 became port 21399, and a list or a number where a
+    path belongs ended in a traceback. The file's types must match the flag's.
+    """
+    if isinstance(param, click.Option) and param.is_flag and not param.count:
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(value, bool):  # a bool is an int to Python, never a number here
+        return "a whole number" if isinstance(param.type, click.types.IntParamType) else \
+            "a number" if isinstance(param.type, click.types.FloatParamType) else "a string"
+    if isinstance(param.type, click.types.IntParamType):
+        return None if isinstance(value, int) else "a whole number"
+    if isinstance(param.type, click.types.FloatParamType):
+        return None if isinstance(value, (int, float)) else "a number"
+    return None if isinstance(value, str) else "a string"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -108,11 +135,11 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
 @click.option("--max-tubes", type=click.IntRange(0), default=0, help="use/watch of a new tube beyond this many.")
 @click.option("--max-reserved-per-connection", type=click.IntRange(0), default=0,
               help="Reserves beyond this many jobs held by one connection answer OUT_OF_MEMORY.")
-@click.option("--idle-timeout", type=click.FloatRange(0), default=0.0,
+@click.option("--idle-timeout", type=FiniteFloat(0), default=0.0,
               help="Close connections silent for this many seconds (not those blocked in reserve).")
 @click.option("--max-output-bytes", type=click.IntRange(1 << 16), default=DEFAULT_MAX_OUTPUT_BYTES,
               show_default=True, help="Close a connection whose unread replies pass this size.")
-@click.option("--slow-reader-timeout", type=click.FloatRange(0), default=DEFAULT_SLOW_READER_TIMEOUT,
+@click.option("--slow-reader-timeout", type=FiniteFloat(0), default=DEFAULT_SLOW_READER_TIMEOUT,
               show_default=True,
               help="Close a connection that leaves over 1 MiB of replies unread this long (0: never).")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate (PEM).")
@@ -145,6 +172,18 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
                    no_dashboard: bool, extended_stats: bool, busy_poll_us: int) -> None:
     """Run the beanstalkd-compatible work-queue broker."""
     logs.setup(verbose)
+    tls = None
+    tls_server = None
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise click.UsageError("--tls-cert and --tls-key go together")
+        tls = TlsConfig(cert=tls_cert, key=tls_key, client_ca=tls_client_ca, port=tls_port)
+        try:  # before anything starts: a bad PEM file is one line, not a traceback from the loop
+            tls_server = tls.server_context()
+        except TlsFileError as exc:
+            raise click.UsageError(str(exc)) from None
+    elif tls_client_ca or tls_port is not None:
+        raise click.UsageError("--tls-client-ca and --tls-port need --tls-cert and --tls-key")
     listener = None
     if binlog_dir is not None:
         listener = _open_binlog(binlog_dir, fsync_ms, no_fsync, binlog_size)
@@ -152,13 +191,6 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
                     max_tubes=max_tubes, max_reserved_per_connection=max_reserved_per_connection,
                     idle_timeout=idle_timeout, max_output_bytes=max_output_bytes,
                     slow_reader_timeout=slow_reader_timeout)
-    tls = None
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise click.UsageError("--tls-cert and --tls-key go together")
-        tls = TlsConfig(cert=tls_cert, key=tls_key, client_ca=tls_client_ca, port=tls_port)
-    elif tls_client_ca or tls_port is not None:
-        raise click.UsageError("--tls-client-ca and --tls-port need --tls-cert and --tls-key")
     token = None
     if auth_token_file:
         try:
@@ -178,7 +210,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
                           tls=tls, auth_token=token, metrics=metrics, extended_stats=extended_stats or hardened,
                           binlog_max_size=binlog_size, busy_poll_us=busy_poll_us)
     # replication (broker.replication): a member wraps the binlog and hooks into the server
-    member = build_member(binlog_dir, listen, port, token, tls.server_context() if tls is not None else None)
+    member = build_member(binlog_dir, listen, port, token, tls_server)
     if member is not None:
         assert listener is not None
         listener = member_listener(member, listener)
@@ -194,7 +226,10 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
         asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard,
                            before_start=member.install if member is not None else None))
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
+        where = listen if listen.startswith("unix:") else f"{listen}:{port}"
+        raise click.ClickException(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    if member is not None and member.fatal is not None:
+        raise click.ClickException(member.fatal)
 
 
 async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Callable[[BrokerServer], None],

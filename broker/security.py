@@ -18,7 +18,7 @@ AUTH_OK = b"OK\r\n"
 UNAUTHORIZED = b"UNAUTHORIZED\r\n"
 MAX_AUTH_FAILURES = 3
 
-__all__ = ["AUTH_OK", "MAX_AUTH_FAILURES", "UNAUTHORIZED", "TlsConfig", "load_token", "token_matches"]
+__all__ = ["AUTH_OK", "MAX_AUTH_FAILURES", "UNAUTHORIZED", "TlsConfig", "TlsFileError", "load_token", "token_matches"]
 
 
 @dataclass
@@ -29,12 +29,34 @@ class TlsConfig:
     port: int | None = None  # a second listener; None: the main listener speaks TLS
 
     def server_context(self) -> ssl.SSLContext:
+        """The server's context; TlsFileError naming the files when they cannot be used (the CLI
+        builds it before starting, so a bad PEM is one line there, not a traceback)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(self.cert, self.key)
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise TlsFileError(f"--tls-cert {self.cert} / --tls-key {self.key}: not a usable certificate and "
+                               f"matching key ({_ssl_reason(exc)})") from None
         if self.client_ca:
-            ctx.load_verify_locations(self.client_ca)
+            try:
+                ctx.load_verify_locations(self.client_ca)
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise TlsFileError(f"--tls-client-ca {self.client_ca}: not a usable CA file "
+                                   f"({_ssl_reason(exc)})") from None
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
+
+
+class TlsFileError(ValueError):
+    """A TLS certificate, key or CA file cannot be loaded; the message names it."""
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
 
 
 def token_matches(expected: bytes, offered: bytes) -> bool:

@@ -8,11 +8,13 @@ from one loop timer set to the queue's earliest deadline (:class:`broker.state.L
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import resource
 import signal
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ from broker.state import LoopTimer, ServerConfig, ServerState
 if TYPE_CHECKING:
     from broker.metrics import Collector
 
-__all__ = ["BrokerServer", "ServerConfig", "install_uvloop", "run_server", "tune_gc"]
+__all__ = ["BrokerServer", "ServerConfig", "clear_unix_path", "install_uvloop", "run_server", "tune_gc"]
 
 log = logging.getLogger("broker")
 
@@ -104,8 +106,7 @@ class BrokerServer:
 
         if listen.startswith("unix:"):
             path = listen[5:]
-            if os.path.exists(path):
-                os.unlink(path)
+            clear_unix_path(path)
             self.servers.append(await loop.create_unix_server(factory, path, ssl=main_ctx,
                                                               **(handshake if main_ctx else {})))
         else:
@@ -192,6 +193,23 @@ class BrokerServer:
             self._idle_timer.cancel()
         if self.listener is not None:
             self.listener.close()
+
+
+def clear_unix_path(path: str) -> None:
+    """Make room for a Unix socket at ``path``: remove a stale socket, never anything else.
+
+    Removing whatever was there destroyed regular files given by mistake (``-l unix:data.db``);
+    beanstalkd refuses those too. Raises OSError with a readable strerror.
+    """
+    if not path:
+        raise OSError(errno.EINVAL, "unix: needs a path (unix:PATH)")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket (not removing it)")
+    os.unlink(path)
 
 
 def install_uvloop() -> bool:

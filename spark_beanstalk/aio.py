@@ -20,6 +20,7 @@ from spark_beanstalk.client import (
     Reply,
     encode,
     encode_put,
+    found,
     parse_yaml,
 )
 
@@ -148,13 +149,15 @@ class AsyncConnection:
         return reply.int_arg()
 
     async def delete(self, job_id: int) -> bool:
-        return (await self.call(f"delete {job_id}")).status == b"DELETED"
+        line = f"delete {job_id}"
+        return found(await self.call(line), b"DELETED", line)
 
     async def kick(self, bound: int) -> int:
         return (await self.expect(f"kick {bound}", b"KICKED")).int_arg()
 
     async def kick_job(self, job_id: int) -> bool:
-        return (await self.call(f"kick-job {job_id}")).status == b"KICKED"
+        line = f"kick-job {job_id}"
+        return found(await self.call(line), b"KICKED", line)
 
     async def reserve_job(self, job_id: int) -> bool:
         return (await self.call(f"reserve-job {job_id}")).status == b"RESERVED"
@@ -163,7 +166,8 @@ class AsyncConnection:
         return (await self.call(f"bury {job_id} {priority}")).status == b"BURIED"
 
     async def pause_tube(self, tube: str, seconds: int) -> bool:
-        return (await self.call(f"pause-tube {tube} {seconds}")).status == b"PAUSED"
+        line = f"pause-tube {tube} {seconds}"
+        return found(await self.call(line), b"PAUSED", line)
 
     async def peek(self, command: str, with_stats: bool = True) -> PeekedJob | None:
         """``peek-ready`` / ``peek-delayed`` / ``peek-buried`` (of the used tube) or ``peek <id>``."""

@@ -415,7 +415,8 @@ class Connection:
         raise BeanstalkError(reply.status.decode("latin-1"), f"reserve-job {job_id}")
 
     def delete(self, job_id: int) -> bool:
-        return self.call(f"delete {job_id}").status == b"DELETED"
+        line = f"delete {job_id}"
+        return found(self.call(line), b"DELETED", line)
 
     def release(self, job_id: int, priority: int = 2**31, delay: int = 0) -> bool:
         return self.call(f"release {job_id} {priority} {delay}").status == b"RELEASED"
@@ -430,7 +431,8 @@ class Connection:
         return self.expect(f"kick {bound}", b"KICKED").int_arg()
 
     def kick_job(self, job_id: int) -> bool:
-        return self.call(f"kick-job {job_id}").status == b"KICKED"
+        line = f"kick-job {job_id}"
+        return found(self.call(line), b"KICKED", line)
 
     def _peek(self, line: str) -> Job | None:
         reply = self.call(line)
@@ -479,7 +481,24 @@ class Connection:
         return self.expect("list-tube-used", b"USING").args[0].decode()
 
     def pause_tube(self, tube: str, delay: int) -> bool:
-        return self.call(f"pause-tube {tube} {delay}").status == b"PAUSED"
+        line = f"pause-tube {tube} {delay}"
+        return found(self.call(line), b"PAUSED", line)
+
+
+def found(reply: Reply, ok: bytes, line: str) -> bool:
+    """True for ``ok``, False for NOT_FOUND; any other reply raises BeanstalkError.
+
+    The verbs that name a job or a tube (delete, kick-job, pause-tube) answered False for every
+    refusal, so a BAD_FORMAT (a bad tube name, an id or a delay beyond the server's range) was
+    reported as "not found". Both clients (this one and spark_beanstalk.aio) read replies here.
+    """
+    if reply.status == ok:
+        return True
+    if reply.status == b"NOT_FOUND":
+        return False
+    detail = "the server could not parse it (a bad tube name, or a number beyond its range)" \
+        if reply.status == b"BAD_FORMAT" else ""
+    raise BeanstalkError(reply.status.decode("latin-1"), line, detail)
 
 
 def split_replies(data: bytes) -> list[tuple[bytes, bytes | None]]:

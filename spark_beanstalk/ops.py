@@ -23,6 +23,7 @@ import base64
 import contextlib
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers
+from beanstalk_rules.numbers import FiniteFloat
 from beanstalk_rules.tokens import read_token_text
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost, encode, encode_put, parse_yaml
 from spark_beanstalk.lag import tube_lag
@@ -454,7 +456,9 @@ def put_command(body: str | None, tube: str, priority: int, delay: int, ttr: int
     if body is not None and body != "-":
         if each_line:
             raise click.UsageError("--each-line reads stdin; do not give a BODY")
-        bodies = [body.encode("utf-8")]
+        # The argument's bytes as given: bytes that are not UTF-8 reach us as surrogate escapes
+        # (os.fsdecode of argv), which str.encode("utf-8") refused with a traceback.
+        bodies = [os.fsencode(body)]
     else:
         data = click.get_binary_stream("stdin").read()
         if each_line:
@@ -782,12 +786,12 @@ class TopLoop:
 
 
 @click.command("top", short_help="Live view of tubes, job counts and put/delete rates.")
-@click.option("--interval", "-i", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+@click.option("--interval", "-i", default=1.0, show_default=True, type=FiniteFloat(min=0.05),
               help="Seconds between refreshes.")
 @click.option("--iterations", "-n", default=0, show_default=True, type=click.IntRange(min=0),
               help="Stop after this many refreshes (0: run until Ctrl-C).")
 @click.option("--tube", "-t", "tubes", multiple=True, help="Show only this tube (repeatable).")
-@click.option("--retry", default=300.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--retry", default=300.0, show_default=True, type=FiniteFloat(min=0),
               help="When the connection is lost (a restart, a failover), keep reconnecting this many seconds "
                    "before giving up with exit 2 (0: give up at once).")
 @common_options

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beanstalk_rules.hosts import BrokerAddress, HostSpec, parse_brokers, uses_tls
+from beanstalk_rules.numbers import finite_float
 from beanstalk_rules.tokens import read_token_text
 from beanstalk_rules.tubes import tube_name_problem
 
@@ -54,9 +55,9 @@ def get_float(options: Mapping[str, str], key: str, default: float, minimum: flo
     if raw is None or raw == "":
         return default
     try:
-        value = float(str(raw).strip())
-    except ValueError:
-        raise OptionError(f"option {key}={raw!r} is not a number") from None
+        value = finite_float(str(raw), f"option {key}")
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     if minimum is not None and value < minimum:
         raise OptionError(f"option {key}={value} is below the minimum {minimum}")
     return value
@@ -99,16 +100,17 @@ def get_str(options: Mapping[str, str], key: str, default: str,
 
 
 def get_brokers(options: Mapping[str, str], key: str = "hosts",
-                default: str = "127.0.0.1:11300", unique: bool = False) -> tuple[BrokerAddress, ...]:
-    """The logical brokers of a hosts option (a ``cluster:`` replica set is one); with `unique`,
-    no server twice (the source keys what it holds by broker)."""
+                default: str = "127.0.0.1:11300") -> tuple[BrokerAddress, ...]:
+    """The logical brokers of a hosts option (a ``cluster:`` replica set is one), no server twice:
+    the source keys what it holds by broker, and the writer keys its batch markers and its hash
+    slots by broker (the same server twice got two slots and raced on one marker tube)."""
     spec = get_str(options, key, default)
     try:
         brokers = parse_brokers(spec)
     except ValueError as exc:
         raise OptionError(f"option {key}: {exc}") from None
     servers = [m.address for b in brokers for m in b.members]
-    if unique and len(set(servers)) != len(servers):
+    if len(set(servers)) != len(servers):
         raise OptionError(f"option {key} names a broker twice: {spec!r}")
     return tuple(brokers)
 
@@ -222,7 +224,7 @@ class SourceOptions:
         if unknown:   # named as the user spelled them
             raise OptionError(f"unknown beanstalk source option(s) {', '.join(unknown)}; "
                               f"known options: {', '.join(cls.KEYS)}")
-        brokers = get_brokers(options, "hosts", unique=True)
+        brokers = get_brokers(options, "hosts")
         tubes = get_tubes(options, "tubes")
         if len(set(tubes)) != len(tubes):
             raise OptionError(f"option tubes names a tube twice: {','.join(tubes)!r}")
@@ -276,6 +278,26 @@ def _trigger_limits(options: Mapping[str, str]) -> tuple[int, int, float]:
     if not min_jobs and _lower_keys(options).get("maxtriggerdelay") not in (None, ""):
         raise OptionError("option maxTriggerDelay only applies with minJobsPerTrigger > 0")
     return max_jobs, min_jobs, max_delay
+
+
+def _check_dead_letter_path(path: str) -> None:
+    """A local deadLetterPath is a directory (created when a row is refused): refuse, at parse
+    time, one that cannot become one, instead of failing a task when its first bad row arrives.
+
+    Only a file where the directory or one of its parents must be is refused: whether the
+    executors may write there is theirs to find out (they may run elsewhere, as another user).
+    URIs (``scheme://``) are left to their file system.
+    """
+    if not path or "://" in path:
+        return
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+    if not os.path.isdir(current):
+        raise OptionError(f"option deadLetterPath={path!r}: {current} exists and is not a directory")
 
 
 # --- Writer options (beanstalk_put, df.write.format("beanstalk")) -------------------------
@@ -373,7 +395,7 @@ class WriterOptions:
             ttr=get_int(o, "ttr", 120, 0, MAX_U32),
             key_column=key_column,
             distribution=distribution,
-            dead_letter_path=get_str(o, "deadLetterPath", "") or None,
+            dead_letter_path=get_str(o, "deadLetterPath", "", check=_check_dead_letter_path) or None,
             validate=validate,
             max_job_size=get_int(o, "maxJobSize", 0, 0),
             window=get_int(o, "window", 1024, 1, 1_000_000),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from spark_beanstalk.client import Connection
 from tests.helpers import ServerProcess, broker_process, free_port, wait_until
+from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,6 +85,38 @@ def test_unix_socket_listener(tmp_path):
         proc.wait(10)
 
 
+def test_unix_listener_never_removes_a_file_that_is_not_a_socket(tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("important")
+    result = subprocess.run([sys.executable, "-m", "broker", "-l", f"unix:{data}"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode != 0
+    assert "exists and is not a socket" in result.stderr and "Traceback" not in result.stderr
+    assert data.read_text() == "important"
+    result = subprocess.run([sys.executable, "-m", "broker", "-l", "unix:"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode != 0
+    assert "unix: needs a path" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unix_listener_replaces_a_stale_socket(tmp_path):
+    path = tmp_path / "stale.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays: a socket left by a broker that died
+    proc = subprocess.Popen([sys.executable, "-m", "broker", "-l", f"unix:{path}"])
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(5)
+        wait_until(lambda: proc.poll() is not None or sock.connect(str(path)) is None, 15,
+                   "a connection on the unix socket", retry_on=(ConnectionRefusedError, FileNotFoundError))
+        assert proc.poll() is None
+        sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_config_file_and_flags_override_it(tmp_path):
     port = free_port()
     conf = tmp_path / "broker.toml"
@@ -130,6 +164,52 @@ def test_bad_flag_values_are_rejected():
     assert result.returncode == 2 and "99999" in result.stderr
     result = subprocess.run([sys.executable, "-m", "broker", "--metrics", "nope"], capture_output=True, text=True)
     assert result.returncode == 2 and "ADDR:PORT" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--idle-timeout", "nan"], ["--slow-reader-timeout", "nan"],
+                                  ["--idle-timeout", "inf"]])
+def test_non_finite_float_flags_are_rejected(args):
+    result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), *args], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and args[0] in result.stderr and "not a finite number" in result.stderr
+
+
+def test_non_finite_float_in_the_config_file_is_rejected(tmp_path):
+    conf = tmp_path / "broker.toml"
+    conf.write_text(f"[broker]\nport = {free_port()}\nidle_timeout = nan\n")
+    result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and "not a finite number" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    (b"broker = 5\n", "broker must be a table"),
+    (b"port = [1, 2]\n", "port in .* must be a whole number, not \\[1, 2\\]"),
+    (b"port = 21399.7\n", "port in .* must be a whole number, not 21399.7"),
+    (b"binlog_dir = 5\n", "binlog_dir in .* must be a string, not 5"),
+    (b"no_fsync = \"yes\"\n", "no_fsync in .* must be true or false"),
+    (b"\xff\xfe\n", "not UTF-8 text"),
+])
+def test_config_file_with_wrong_types_is_a_clear_error(tmp_path, text, why):
+    conf = tmp_path / "broker.toml"
+    conf.write_bytes(text)
+    result = subprocess.run([sys.executable, "-m", "broker", "--config", str(conf)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(why, result.stderr), result.stderr
+
+
+def test_unusable_tls_files_are_a_clear_error(tmp_path, certs):  # noqa: F811  (certs: the fixture)
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    cases = [(["--tls-cert", str(bad), "--tls-key", str(bad)], "--tls-cert"),
+             (["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "client.key")], "--tls-key"),
+             (["--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+               "--tls-client-ca", str(bad)], "--tls-client-ca")]
+    for args, named in cases:
+        result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), *args], capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode == 2 and named in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_verbose_logs_connections():

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import subprocess
+import sys
 from typing import Any
 
 from aiohttp import ClientSession, CookieJar
@@ -20,6 +23,7 @@ from spark_beanstalk.dashboard.actions import body_view
 from spark_beanstalk.dashboard.app import create_app
 from spark_beanstalk.dashboard.command import tcp_endpoint
 from spark_beanstalk.dashboard.guard import Guard
+from tests.helpers import free_port
 
 
 async def _with_app(server: Any, guard: Guard, walk: Any) -> Any:
@@ -128,3 +132,63 @@ def test_two_servers_and_a_cross_site_post(server_factory):
         assert conn.stats_tube("default")["current-jobs-ready"] == 1
     with Connection(ours.host, ours.port) as conn:
         assert conn.stats_tube("default")["current-jobs-ready"] == 0
+
+
+def test_taken_listen_port_with_a_refusing_server_exits():
+    """The sampler must stop even when its cancel lands as a connect is refused."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run([sys.executable, "-m", "spark_beanstalk.cli", "dashboard", "-H",
+                                 f"127.0.0.1:{free_port()}", "--listen", listen],
+                                capture_output=True, text=True, timeout=30)
+    finally:
+        taken.close()
+    assert result.returncode == 1 and f"cannot listen on {listen}" in result.stderr
+
+
+def test_listen_port_out_of_range_is_a_usage_error():
+    result = CliRunner().invoke(main, ["dashboard", "--listen", "127.0.0.1:70000"])
+    assert result.exit_code == 2 and "out of range" in result.output
+
+
+def test_non_ascii_csrf_value_is_refused_not_a_server_error(server):
+    async def walk(http: ClientSession) -> list[tuple[int, str]]:
+        async with http.get("/"):
+            pass  # the session cookie
+        out = []
+        for path in ("/action", "/login", "/logout"):
+            form = {"csrf": "caf\u00e9", "s": "0", "t": "default", "action": "put", "body": "x", "token": "t"}
+            async with http.post(path, data=form, allow_redirects=False) as resp:
+                out.append((resp.status, await resp.text()))
+        return out
+
+    for status, text in asyncio.run(_with_app(server, Guard(action_token=b"t"), walk)):
+        assert status == 403 and "wrong CSRF token" in text
+
+
+def test_pause_action_with_a_bad_tube_name_says_bad_format(server):
+    async def walk(http: ClientSession) -> tuple[int, str]:
+        async with http.get("/") as resp:
+            csrf = _csrf(await resp.text())
+        form = {"csrf": csrf, "s": "0", "t": "bad!", "action": "pause", "seconds": "5"}
+        async with http.post("/action", data=form) as resp:
+            return resp.status, await resp.text()
+
+    status, text = asyncio.run(_with_app(server, Guard(), walk))
+    assert status == 400 and "BAD_FORMAT" in text and "not found" not in text
+
+
+def test_a_server_number_that_is_not_plain_digits_is_not_found(server):
+    """s=-1 was a list index from the end: it showed (and acted on) the last server."""
+    async def walk(http: ClientSession) -> list[tuple[int, str]]:
+        out = []
+        for number in ("-1", "\u0660", "+0"):
+            async with http.get("/tube", params={"s": number, "t": "default"}) as resp:
+                out.append((resp.status, await resp.text()))
+        return out
+
+    for status, text in asyncio.run(_with_app(server, Guard(), walk)):
+        assert status == 404 and "no server number" in text

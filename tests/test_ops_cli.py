@@ -115,6 +115,13 @@ def test_put_delay_and_binary_body(server, conn):
     assert human.exit_code == 0 and "256" not in human.stderr
 
 
+def test_put_argument_that_is_not_utf8_keeps_its_bytes(server, conn):
+    result = subprocess.run([os.fsencode(sys.executable), b"-m", b"spark_beanstalk.cli", b"put", b"\xff\xfe",
+                             b"--json", b"-H", server.address.encode()], capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert conn.peek(json.loads(result.stdout)["id"]).body == b"\xff\xfe"
+
+
 def test_put_job_too_big_is_one_clear_line(server_factory, server):
     small = server_factory(server.kind, extra_args=["-z", "10"])
     result = cli(small, "put", "x" * 11)
@@ -639,3 +646,18 @@ def test_clear_shows_a_progress_bar_on_a_terminal(broker, conn_factory):
     assert proc.returncode == 0
     assert "deleted 500 job(s) from tube 'lots' (ready 500)" in proc.stdout
     assert b"clearing lots" in drawn and b"500" in drawn
+
+
+@pytest.mark.parametrize(("value", "why"), [("nan", "not a finite number"), ("inf", "not a finite number"),
+                                           ("1e300", "beyond 1e+09")])
+def test_top_interval_must_be_finite(value, why):
+    result = CliRunner().invoke(main, ["top", "-n", "1", "--interval", value, "-H", "127.0.0.1:1"])
+    assert result.exit_code == 2 and "'--interval'" in result.output and why in result.output
+
+
+@pytest.mark.parametrize("args", [["pause", "default", "99999999999"], ["pause", "bad!", "5"],
+                                  ["delete", str(2**70)], ["kick", "--job", str(2**70)]])
+def test_bad_format_is_reported_as_such_not_as_not_found(server, args):
+    result = cli(server, *args)
+    assert result.exit_code != 0
+    assert "BAD_FORMAT" in result.stderr and "not found" not in result.stderr, result.stderr

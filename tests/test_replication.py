@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -216,3 +218,29 @@ def test_a_replica_that_drops_its_stream_loses_no_client_reply(tmp_path):
         assert "Exception in callback" not in leader.log()
     finally:
         leader.kill()
+
+
+def test_replication_port_that_cannot_be_bound_is_a_nonzero_exit(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), "-b", str(tmp_path / "b"),
+                                 "--replication-listen", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert result.returncode != 0
+    assert f"--replication-listen: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_replication_ca_that_is_not_a_certificate_is_a_usage_error(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    result = subprocess.run([sys.executable, "-m", "broker", "-p", str(free_port()), "-b", str(tmp_path / "b"),
+                             "--replica-of", f"127.0.0.1:{free_port()}", "--replication-ca", str(bad)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--replication-ca" in result.stderr and "cannot listen" not in result.stderr

@@ -7,6 +7,7 @@ our broker over TCP and both must accept exactly what the rule accepts.
 """
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,6 +205,14 @@ def test_missing_and_unreadable_token_files(tmp_path: Path) -> None:
         read_token(big)
 
 
+def test_token_file_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO with no writer blocked the reader (a broker, a Spark task) for good."""
+    fifo = tmp_path / "fifo.tok"
+    os.mkfifo(fifo)
+    with pytest.raises(TokenFileError, match="not a regular file"):
+        read_token(fifo)
+
+
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=lambda c: repr(c.content[:16]))
 def test_broker_connector_and_cli_read_token_files_alike(case: TokenCase, tmp_path: Path) -> None:
     """The broker's --auth-token-file, the connector's authTokenFile and the CLI's --token-file."""
@@ -225,3 +234,13 @@ def test_broker_connector_and_cli_read_token_files_alike(case: TokenCase, tmp_pa
     with pytest.raises(OpsError, match=case.why) as err:
         _read_token(str(path))
     assert err.value.exit_code == 2
+
+
+# --- listener addresses --------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", ["127.0.0.1:65536", "127.0.0.1:99999", ":70000"])
+def test_listen_port_beyond_65535_is_refused(address: str) -> None:
+    from beanstalk_rules.hosts import parse_listen
+
+    with pytest.raises(ValueError, match="out of range"):
+        parse_listen(address)

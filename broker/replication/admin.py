@@ -13,6 +13,7 @@ import time
 
 import click
 
+from beanstalk_rules.numbers import FiniteFloat
 from broker.replication.member import split_address
 from broker.security import load_token
 
@@ -62,7 +63,7 @@ _token = click.option("--auth-token-file", type=click.Path(exists=True, dir_okay
 @click.command("promote")
 @_member
 @_token
-@click.option("--wait", type=click.FloatRange(0), default=15.0, show_default=True,
+@click.option("--wait", type=FiniteFloat(0), default=15.0, show_default=True,
               help="Seconds to wait until the member leads (0: do not wait).")
 def promote_command(member: str, auth_token_file: str | None, wait: float) -> None:
     """Make this replica the next leader (the current leader hands over once it is caught up)."""

@@ -115,6 +115,9 @@ class Member:
         self.binlog: QueueListener | None = None  # this member's own binlog (member_listener)
         self.leadership: EtcdLeadership | None = None
         self._ssl: ssl.SSLContext | None = None  # made once: contexts compare by identity (follow())
+        # Why the member stopped the broker at start (the replication port could not be bound);
+        # the CLI turns it into a non-zero exit: a member without its stream is no member.
+        self.fatal: str | None = None
 
     # -- installation --------------------------------------------------------------------
     def install(self, server: BrokerServer) -> None:
@@ -329,7 +332,8 @@ class Member:
             self._listener = await asyncio.start_server(self._handle, host, port, ssl=self.config.tls_server,
                                                         reuse_address=True)
         except OSError as exc:
-            logs.event(log, logging.ERROR, "replication-listen", f"cannot listen on {host}:{port}: {exc}")
+            self.fatal = f"--replication-listen: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            logs.event(log, logging.ERROR, "replication-listen", self.fatal)
             if self.server is not None:
                 self.server.request_stop()
             return

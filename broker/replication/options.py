@@ -75,11 +75,17 @@ def build_member(binlog_dir: str | None, listen: str, port: int, token: bytes | 
         primary = split_address(replica_of) if replica_of else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    ca_file = values.get("replication_ca")
+    if ca_file is not None:
+        try:  # checked here: a bad file failed later, inside the loop, as "cannot listen"
+            ssl.create_default_context(cafile=ca_file)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise click.UsageError(f"--replication-ca {ca_file}: not a usable CA file ({exc})") from None
     client = f"{listen}:{port}"
     config = ReplicationConfig(name=values.get("member_name") or client, state_dir=os.path.abspath(binlog_dir),
                                listen=repl, replica_of=primary, sync_replicas=sync, etcd=etcd,
                                cluster=values.get("cluster") or "spark-beanstalk",
-                               lease_ttl=int(values.get("lease_ttl") or 2), ca_file=values.get("replication_ca"),
+                               lease_ttl=int(values.get("lease_ttl") or 2), ca_file=ca_file,
                                token=token, tls_server=tls_server, client_address=client)
     return Member(config, ReplicationSource())
 

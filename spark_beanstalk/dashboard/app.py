@@ -122,7 +122,11 @@ class Dashboard:
         return web.json_response(body, headers={"Cache-Control": "no-store"})
 
     def _view(self, raw: str) -> ServerView:
+        # ASCII digits only: int() takes "-1" (a list index from the end: the last server)
+        # and other scripts' digits ("٠" is 0).
         try:
+            if not (raw.isascii() and raw.isdigit()):
+                raise ValueError(raw)
             return self.sampler.views[int(raw)]
         except (ValueError, IndexError):
             raise PageError(f"no server number {raw!r} on this dashboard", 404) from None

@@ -20,6 +20,12 @@ COOKIE = "sbd_session"
 MAX_SESSIONS = 1000
 
 
+def _same(offered: str, expected: bytes) -> bool:
+    """Constant-time comparison of a form value with a secret, as bytes: compare_digest refuses
+    str holding non-ASCII (a 500 and a traceback), and any str encodes with errors replaced."""
+    return hmac.compare_digest(offered.encode("utf-8", "replace"), expected)
+
+
 class Refused(Exception):
     """An action the guard does not allow; the message is shown to the operator."""
 
@@ -63,7 +69,7 @@ class Guard:
             raise Refused(f"refused: the request came from another site ({origin})")
         sid = self.session(request)
         offered = form.get("csrf", "")
-        if sid is None or not hmac.compare_digest(offered, self.csrf_token(sid)):
+        if sid is None or not _same(offered, self.csrf_token(sid).encode()):
             raise Refused("refused: missing or wrong CSRF token (reload the page and try again)")
         if action:
             if self.read_only:
@@ -73,7 +79,7 @@ class Guard:
         return sid
 
     def login(self, offered: str, response: web.StreamResponse) -> bool:
-        if self.action_token is None or not hmac.compare_digest(offered.strip().encode(), self.action_token):
+        if self.action_token is None or not _same(offered.strip(), self.action_token):
             return False
         sid = secrets.token_urlsafe(24)
         self._authed[sid] = None

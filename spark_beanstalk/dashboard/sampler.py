@@ -129,6 +129,10 @@ class Sampler:
         self.idle_interval = idle_interval
         self.last_viewed = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
+        # Checked by each task after every attempt: a cancel that lands as a connect fails is
+        # lost (Python 3.11's wait_for returns the connect's OSError instead), and the task
+        # would sample on forever while stop() waits for it.
+        self._stopping = False
 
     def viewed(self) -> None:
         self.last_viewed = time.monotonic()
@@ -137,7 +141,11 @@ class Sampler:
         self._tasks = [asyncio.create_task(self._run(view), name=f"sample {view.endpoint.name}")
                        for view in self.views]
 
+    def stopping(self) -> bool:
+        return self._stopping
+
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -147,7 +155,7 @@ class Sampler:
     async def _run(self, view: ServerView) -> None:
         conn: AsyncConnection | None = None
         try:
-            while True:
+            while not self.stopping():
                 try:
                     if conn is None or conn.closed:
                         conn = await view.endpoint.connect()
@@ -163,6 +171,8 @@ class Sampler:
                     if conn is not None:
                         await conn.close()
                     conn = None
+                if self.stopping():  # a cancel swallowed above
+                    break
                 idle = time.monotonic() - self.last_viewed > IDLE_AFTER
                 await asyncio.sleep(self.idle_interval if idle else self.interval)
         finally:

@@ -92,6 +92,13 @@ def test_offsets_are_compact_and_canonical():
     assert list(a["jobs"]) == ["h:1", "h:2"]
 
 
+@pytest.mark.parametrize("key", ["touchFraction", "socketTimeout", "replayWaitSeconds", "brokerRetrySeconds"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_float_options_are_refused(key, value):
+    with pytest.raises(OptionError, match=f"option {key}=.* is not a finite number"):
+        SourceOptions.parse({key: value})
+
+
 def test_options_validation_messages():
     opts = SourceOptions.parse({"HOSTS": "a:1,b:2", "tubes": "x, y", "maxjobspertrigger": "7"})
     assert opts.hosts == (("a", 1), ("b", 2)) and opts.tubes == ("x", "y") and opts.max_jobs_per_trigger == 7

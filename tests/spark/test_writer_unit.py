@@ -78,6 +78,35 @@ def test_options_errors_name_key_and_value():
     assert spec.body == "Body" and spec.json_columns == ()
 
 
+@pytest.mark.parametrize("key", ["timeout", "connectTimeout", "retryInterval", "brokerRetrySeconds"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_float_options_are_refused(key, value):
+    with pytest.raises(OptionError, match=f"option {key}=.* is not a finite number"):
+        WriterOptions.parse({key: value})
+    with pytest.raises(OptionError, match=f"option {key}=.* is beyond"):
+        WriterOptions.parse({key: "1e300"})
+
+
+@pytest.mark.parametrize("hosts", ["127.0.0.1:1,127.0.0.1:1", "cluster:a:1,b:1;b:1"])
+def test_a_server_named_twice_is_refused_as_by_the_source(hosts):
+    from spark_beanstalk.options import SourceOptions
+
+    for parse in (WriterOptions.parse, SourceOptions.parse):
+        with pytest.raises(OptionError, match="option hosts names a broker twice"):
+            parse({"hosts": hosts})
+
+
+def test_dead_letter_path_that_cannot_be_a_directory_is_refused(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path in (afile, afile / "below"):
+        with pytest.raises(OptionError, match="deadLetterPath=.* exists and is not a directory"):
+            WriterOptions.parse({"deadLetterPath": str(path)})
+    ok = tmp_path / "new" / "dead"
+    assert WriterOptions.parse({"deadLetterPath": str(ok)}).dead_letter_path == str(ok)
+    assert WriterOptions.parse({"deadLetterPath": "s3://bucket/dead"}).dead_letter_path == "s3://bucket/dead"
+
+
 def test_key_hash_is_stable():
     # CRC-32 based: the same in every process and run, not Python's salted hash()
     assert [key_host(k, 3) for k in ("a", "b", "user-17", 42, None)] == [0, 2, 1, 2, 0]

@@ -56,6 +56,8 @@ class CrashHook:
         if not spec:
             return None
         name, _, count = spec.partition(":")
+        if not (count or "1").isdigit():
+            raise BinlogError(f"{CRASH_ENV}={spec!r}: expected POINT or POINT:N (N a count)")
         return cls(name, int(count or 1))
 
     @classmethod

@@ -357,3 +357,9 @@ def test_a_stop_while_the_disk_fails_exits_cleanly_and_loses_nothing_acknowledge
         assert all(body is not None for body in _bodies(proc, ids[1:]).values())
     finally:
         proc.kill()
+
+
+def test_a_malformed_crash_hook_is_a_one_line_error(tmp_path):
+    """The test hook's variable, set wrong, ended the start in a ValueError traceback."""
+    res = run_ours_expect_exit(str(tmp_path / "bl"), env={CRASH_ENV: "base-committed:x"})
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "expected POINT or POINT:N" in res.stderr

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from beanstalk_rules.hosts import parse_listen
+from beanstalk_rules.httplog import quiet_bad_requests
 from broker.metrics import HasQueue, metrics_text
 from broker.queue import QueueListener
 
@@ -149,6 +150,7 @@ class HttpListener:
             log.error("the HTTP listener on %s did not start: %r", self.address(), task.exception())
 
     async def start(self) -> None:
+        quiet_bad_requests()
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.SockSite(self._runner, self.sock).start()

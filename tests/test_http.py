@@ -169,3 +169,24 @@ def test_the_core_a_broker_runs_is_logged_and_exported(tmp_path, pure):
     assert f'beanstalk_build_info{{core="{expected}"}} 1.0' in text
     listening = [line for line in log_path.read_text().splitlines() if "event=listening" in line]
     assert len(listening) == 1 and f"core={expected}" in listening[0].split(" ")
+
+
+def test_a_flood_of_malformed_requests_does_not_flood_the_log(tmp_path):
+    """aiohttp logged each malformed request with a ~700-byte traceback at error level: anyone who
+    could reach the port could fill the broker's log. Each still gets its 400."""
+    port = free_port()
+    proc = broker_process(extra_args=["--http", f"127.0.0.1:{port}"], stderr_path=str(tmp_path / "err.log")).start()
+    try:
+        wait_for_port("127.0.0.1", port, 10, proc.proc)
+        for n in range(40):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"GET /\x00%d HTTP/1.1\r\nHost: x\r\n\r\n" % n)
+                assert sock.recv(100).startswith(b"HTTP/1.0 400 Bad Request")
+        assert get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+    finally:
+        proc.stop()
+    log = proc.log()
+    assert "Traceback" not in log
+    lines = [line for line in log.splitlines() if "bad HTTP request answered 400" in line]
+    assert 1 <= len(lines) <= 5 * 10  # at most 5 a second
+    assert "level=warning" in lines[0]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from beanstalk_rules.hosts import parse_hosts, parse_listen
+from beanstalk_rules.httplog import quiet_bad_requests
 from spark_beanstalk.aio import AsyncConnection, open_tcp
 from spark_beanstalk.ops import DEFAULT_HOST, HOST_ENV, TOKEN_ENV, _read_token
 
@@ -46,6 +47,7 @@ def split_listen(listen: str) -> tuple[str, int]:
 async def serve(app: web.Application, host: str, port: int) -> None:
     from aiohttp import web
 
+    quiet_bad_requests()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     stop = asyncio.Event()

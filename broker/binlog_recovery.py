@@ -76,6 +76,7 @@ class Scanner:
         self.batch = batch
         self.result = ScanResult()
         self._last_report = 0.0
+        self._read_ahead: dict[int, bytes] = {}  # segments _newest_with_records read: not read twice
 
     def scan(self) -> ScanResult:
         t0 = self._last_report = time.monotonic()
@@ -104,11 +105,18 @@ class Scanner:
         refuse what the first one accepted."""
         pos = len(indexes) - 1
         while pos > 0:
-            data = read_file(self.dir.segment(indexes[pos]))
+            data = self._read_ahead[indexes[pos]] = self._read(indexes[pos])
             if not fmt.only_zeros(data, min(len(data), fmt.HEADER_SIZE), len(data)):
                 break
             pos -= 1
         return pos
+
+    def _read(self, idx: int) -> bytes:
+        path = self.dir.segment(idx)
+        try:
+            return read_file(path)
+        except OSError as exc:
+            raise BinlogError(f"cannot read binlog segment {path}: {exc.strerror}") from None
 
     def scan_segment(self, n: int, total: int, idx: int, newest: bool | None = None) -> None:
         """Read segment ``idx`` (the n-th of ``total``): check its header, apply its records.
@@ -117,10 +125,7 @@ class Scanner:
         path = self.dir.segment(idx)
         if newest is None:
             newest = n == total - 1
-        try:
-            data = read_file(path)
-        except OSError as exc:
-            raise BinlogError(f"cannot read binlog segment {path}: {exc.strerror}") from None
+        data = self._read_ahead.pop(idx, None) or self._read(idx)
         end = len(data)
         try:
             _version, hidx, hmax, _created = fmt.decode_header(data)

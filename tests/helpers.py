@@ -55,6 +55,7 @@ __all__ = [
     "cpu_seconds",
     "etcd_process",
     "free_port",
+    "http_get",
     "make_server",
     "last_committed",
     "left_in",
@@ -489,6 +490,15 @@ def wait_delivered(sink: BatchFiles, expected: set[tuple[str, str]], procs: list
         return expected <= set(sink.seen()) and all(left_in(p, "t") == 0 for p in procs)
 
     wait_until(done, timeout, interval=0.25, what="every job in the sink and none left ready or reserved")
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """GET ``url``: its status and text, an error status (503, 404) included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
 
 
 def scrape(addr: str) -> tuple[dict[str, str], dict[str, list[tuple[dict[str, str], float]]]]:

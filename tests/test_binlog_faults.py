@@ -12,15 +12,13 @@ import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from test_binlog_helpers import job_snapshot, run_ours_expect_exit, start_ours
 
 from broker.binlog_file import CRASH_ENV
 from spark_beanstalk.client import BeanstalkError, Connection, ConnectionLost
-from tests.helpers import FaultyDisk, ServerProcess, free_port, member_process, sample, scrape, wait_until
+from tests.helpers import FaultyDisk, ServerProcess, free_port, http_get, member_process, sample, scrape, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,14 +44,6 @@ def _put_until_inserted(proc: ServerProcess, body: bytes, timeout: float = 15.0)
     return wait_until(attempt, timeout, "a put to be INSERTED again", interval=0.2)
 
 
-def _readyz(addr: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{addr}/readyz", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def _bodies(proc: ServerProcess, ids: list[int]) -> dict[int, bytes | None]:
     with Connection(proc.host, proc.port) as conn:
         snap = job_snapshot(conn, ids)
@@ -74,12 +64,12 @@ def test_a_change_the_disk_failed_to_keep_is_not_acknowledged_and_the_log_heals(
         with Connection(proc.host, proc.port) as conn:
             assert conn.call("put 1 0 60 5", b"again").status == b"OUT_OF_MEMORY"
             assert conn.stats_job(first) is not None  # reads keep working
-        status, text = _readyz(http)
+        status, text = http_get(f"http://{http}/readyz")
         assert status == 503 and "binlog cannot write" in text
         disk.heal(fault)
         after = _put_until_inserted(proc, b"after the fault")
         assert "works again" in proc.log()
-        assert _readyz(http)[0] == 200
+        assert http_get(f"http://{http}/readyz")[0] == 200
         _, samples = scrape(http)
         assert sample(samples, "beanstalk_binlog_rebuilds_total") == 1
         assert (sample(samples, "beanstalk_binlog_io_errors_total") or 0) >= 1

@@ -12,7 +12,7 @@ import greenstalk
 import pytest
 
 from spark_beanstalk.client import Connection
-from tests.helpers import free_port, member_process, wait_until
+from tests.helpers import free_port, http_get, member_process, wait_until
 from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 
@@ -91,11 +91,7 @@ def test_replica_applies_every_change_and_refuses_changes(pair):
 
 
 def _readyz(proc) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{proc.metrics}/readyz", timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
+    return http_get(f"http://{proc.metrics}/readyz")[0]
 
 
 def _metrics(proc) -> str:

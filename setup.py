@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -61,8 +61,10 @@ def ext_modules() -> list:
         print("spark-beanstalk: mypyc not available, broker core stays interpreted", file=sys.stderr)
         return []
     sources = [str(Path(*m.split(".")).with_suffix(".py")) for m in build.HOT_MODULES]
+    # The client sockets' C transport (broker/netio.py uses it only beside the compiled core).
+    netio = Extension("broker._netio", ["broker/_netio.c"])
     try:
-        return mypycify(sources, opt_level="3", group_name=build.GROUP)
+        return [*mypycify(sources, opt_level="3", group_name=build.GROUP), netio]
     except BaseException as exc:  # noqa: BLE001 - mypyc exits on type errors: never block the install
         print(f"spark-beanstalk: mypyc could not compile the broker core ({exc!r}); using interpreted code",
               file=sys.stderr)

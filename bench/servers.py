@@ -115,7 +115,7 @@ def python_build() -> str:
 
 def build_of_ours(pure: bool = False) -> str:
     """What `ours` (or `ours-pure`) runs: asked of a fresh interpreter with the bench's env."""
-    code = "from broker import _build; print(_build.describe())"
+    code = "from broker import _build, netio; print(_build.describe() + '; client sockets: ' + netio.status()[1])"
     try:
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env=_env(pure), cwd=ROOT, check=False)

@@ -220,7 +220,7 @@ def broker_command(listen: str, port: int, max_job_size: int, verbose: int, binl
     def ready(server: BrokerServer) -> None:
         if verbose:
             logs.event(logging.getLogger("broker"), logging.INFO, "listening", addresses=",".join(server.addresses()),
-                       core=_build.core_name())
+                       core=_build.core_name(), transport=server.transport_reason)
 
     try:
         asyncio.run(_serve(config, listener, ready, http_sock, not no_dashboard,

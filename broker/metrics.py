@@ -41,6 +41,9 @@ class HasQueue(Protocol):
     @property
     def busy_poll(self) -> BusyPoll | None: ...  # None: --busy-poll-us 0
 
+    @property
+    def transport_name(self) -> str: ...  # "c" (broker/_netio.c) or "uvloop"
+
 
 class BrokerCollector:
     """Reads the queue at scrape time."""
@@ -59,7 +62,7 @@ class BrokerCollector:
         yield jobs
         # which core this process runs: an install without a C compiler runs ~2x slower, silently otherwise
         yield InfoMetricFamily("beanstalk_build", "The broker core this process runs",
-                               value={"core": _build.core_name()})
+                               value={"core": _build.core_name(), "transport": self.server.transport_name})
         yield GaugeMetricFamily("beanstalk_job_bytes", "Total size of held job bodies", value=queue.held_bytes)
         yield GaugeMetricFamily("beanstalk_tubes", "Tubes that exist", value=len(queue.tubes))
         commands = CounterMetricFamily("beanstalk_commands", "Commands received, by command", labels=["command"])

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from broker import logs
+from broker import logs, netio
 from broker.busypoll import BusyPoll
 from broker.connection import BrokerConnection
 from broker.queue import Queue, QueueListener
@@ -60,7 +60,10 @@ class BrokerServer:
                                  descriptor_cap=soft_fd_limit - reserve if soft_fd_limit > 0 else 1 << 30)
         self.connections = self.state.connections
         self.extra_collectors: list[Collector] = []  # more /metrics (replication's)
-        self.servers: list[asyncio.Server] = []
+        self.servers: list[asyncio.Server | netio.NetioServer] = []
+        # The C transport for plain-TCP clients where it was built (broker/netio.py), else uvloop's.
+        self.netio, self.transport_reason = netio.status()
+        self.transport_name = "c" if self.netio is not None else "uvloop"  # beanstalk_build_info{transport}
         # replication: runs at shutdown after clients stop being read, before they are closed
         self.before_close: Callable[[], Awaitable[None]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,6 +112,8 @@ class BrokerServer:
             clear_unix_path(path)
             self.servers.append(await loop.create_unix_server(factory, path, ssl=main_ctx,
                                                               **(handshake if main_ctx else {})))
+        elif main_ctx is None and self.netio is not None:
+            self.servers.append(await netio.create_server(self.netio, factory, listen, config.port, backlog=1024))
         else:
             self.servers.append(await loop.create_server(factory, listen, config.port, reuse_address=True,
                                                          backlog=1024, ssl=main_ctx,

@@ -37,7 +37,7 @@ python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-sett
 # A machine with a working C compiler must get the compiled core: a hot module mypyc cannot compile
 # would otherwise fall back to interpreted code without a word, and CI would test only that.
 if cc --version >/dev/null 2>&1 && [ -z "${SPARK_BEANSTALK_NO_COMPILE:-}" ]; then
-  python3 -c 'import sys; from broker import _build; b = _build.inspect_build(); print("broker core:", b.reason); sys.exit(0 if b.compiled else 1)' \
+  python3 -c 'import sys; from broker import _build, netio; b = _build.inspect_build(); t = netio.status()[1]; print("broker core:", b.reason, "/ client sockets:", t); sys.exit(0 if b.compiled and netio.available() else 1)' \
     || { echo "the broker core did not compile (see the pip output above); SPARK_BEANSTALK_NO_COMPILE=1 skips the compile on purpose" >&2; exit 1; }
 fi
 bash scripts/lint.sh  # ruff + mypy --strict over the gated paths; an error stops the run here

@@ -158,9 +158,11 @@ def test_the_core_a_broker_runs_is_logged_and_exported(tmp_path, pure):
     finally:
         proc.stop()
     assert status == 200
-    assert f'beanstalk_build_info{{core="{expected}"}} 1.0' in text
+    transport = "c" if expected == "compiled" else "uvloop"  # the C transport comes with the compiled core
+    assert f'beanstalk_build_info{{core="{expected}",transport="{transport}"}} 1.0' in text
     listening = [line for line in log_path.read_text().splitlines() if "event=listening" in line]
     assert len(listening) == 1 and f"core={expected}" in listening[0].split(" ")
+    assert ("C transport" in listening[0]) == (expected == "compiled")
 
 
 def test_a_flood_of_malformed_requests_does_not_flood_the_log(tmp_path):

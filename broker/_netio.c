@@ -1,0 +1,791 @@
+/* A plain-TCP transport for the broker's client connections, in C.
+
+Why: at depth 1 with many connections, every Python server on asyncio + uvloop pays the
+loop's per-connection read callback, a stream object's bookkeeping and a write request per
+command; a server that parses nothing at all (bench/ceiling_server.py) stops at ~1.3x the
+Python floor there, while the same constant replies from an epoll loop in C reach ~1.7x
+(bench/README.md, "Past the ceiling"). This module takes only the client sockets' reads and
+writes out of uvloop: one epoll set of its own, whose descriptor the asyncio loop watches
+(``loop.add_reader``), so timers, busy polling, TLS, Unix sockets, HTTP and replication stay
+on the loop unchanged. The protocol objects (broker.connection) see the asyncio Transport
+methods they use, with asyncio's semantics:
+
+* ``connection_lost`` always runs from the loop (``call_soon``), never inside close();
+* ``close()`` flushes what is buffered first, ``abort()`` drops it;
+* ``eof_received()`` returning true keeps the connection open for writing (half-close);
+* an exception from a protocol callback goes to the loop's exception handler and aborts
+  the connection, as asyncio's ``_fatal_error`` does;
+* ``write()`` calls ``pause_writing()`` above the high-water mark and ``resume_writing()``
+  once the buffer falls to the low-water mark.
+
+Interpreted builds (SPARK_BEANSTALK_PURE=1, no C compiler) use uvloop's own transports.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define MAX_EVENTS 256
+#define READ_SIZE (256 * 1024)
+
+static char read_buffer[READ_SIZE]; /* one loop thread: copied into a bytes object before any callback */
+
+static PyObject *str_data_received, *str_eof_received, *str_connection_lost, *str_pause_writing,
+    *str_resume_writing, *str_call_soon, *str_call_exception_handler, *str_close;
+
+typedef struct {
+    PyObject_HEAD
+    int epfd;
+    PyObject *loop;
+    Py_ssize_t live; /* transports not yet lost */
+} Poller;
+
+typedef struct {
+    PyObject_HEAD
+    Poller *poller;
+    PyObject *protocol;
+    PyObject *sock; /* the Python socket: owns the descriptor, closed after connection_lost */
+    PyObject *peername;
+    PyObject *sockname;
+    int fd;
+    uint32_t events; /* what epoll watches now (0: not in the set) */
+    char closing;    /* close() or abort() called, or a fatal error */
+    char paused;     /* pause_reading() */
+    char eof;        /* the peer sent FIN */
+    char protocol_paused;
+    char lost;       /* connection_lost scheduled */
+    char started;
+    char *wbuf;
+    size_t wpos, wlen, wcap; /* pending output: wbuf[wpos:wlen] */
+    size_t high, low;
+} Transport;
+
+static PyTypeObject PollerType;
+static PyTypeObject TransportType;
+
+/* -- epoll interest ------------------------------------------------------------------ */
+
+static void update_events(Transport *t)
+{
+    uint32_t want = 0;
+    if (t->fd < 0 || t->lost)
+        want = 0;
+    else {
+        if (t->started && !t->closing && !t->paused && !t->eof)
+            want |= EPOLLIN;
+        if (t->wlen > t->wpos)
+            want |= EPOLLOUT;
+    }
+    if (want == t->events)
+        return;
+    struct epoll_event ev;
+    /* Edge-triggered: a socket is reported once per change, so a served socket does not stay on
+       the ready list and keep the epoll descriptor (which the loop watches) readable for one
+       more wasted callback. Every change of interest re-arms it (EPOLL_CTL_MOD re-checks the
+       socket), which is what resume_reading needs. EPOLLRDHUP says a FIN came with the data. */
+    ev.events = want ? (want | EPOLLET | ((want & EPOLLIN) ? EPOLLRDHUP : 0)) : 0;
+    ev.data.ptr = t;
+    int op = want == 0 ? EPOLL_CTL_DEL : (t->events == 0 ? EPOLL_CTL_ADD : EPOLL_CTL_MOD);
+    /* A descriptor with nothing wanted leaves the set: epoll reports hang-ups and errors even
+       when not asked, and a level-triggered report nobody handles would spin the loop. */
+    if (epoll_ctl(t->poller->epfd, op, t->fd, &ev) == 0 || op == EPOLL_CTL_DEL)
+        t->events = want;
+}
+
+/* -- closing ------------------------------------------------------------------------- */
+
+static void schedule_lost(Transport *t, PyObject *exc)
+{
+    if (t->lost)
+        return;
+    t->closing = 1;
+    t->lost = 1;
+    update_events(t);
+    PyObject *meth = PyObject_GetAttrString((PyObject *)t, "_call_connection_lost");
+    if (meth == NULL) {
+        PyErr_WriteUnraisable((PyObject *)t);
+        return;
+    }
+    PyObject *res = PyObject_CallMethodObjArgs(t->poller->loop, str_call_soon, meth, exc ? exc : Py_None, NULL);
+    Py_DECREF(meth);
+    if (res == NULL)
+        PyErr_WriteUnraisable((PyObject *)t);
+    Py_XDECREF(res);
+}
+
+static void force_close(Transport *t, PyObject *exc)
+{
+    t->wpos = t->wlen = 0;
+    if (t->protocol_paused) {
+        t->protocol_paused = 0; /* asyncio does not resume a protocol it is about to lose */
+    }
+    schedule_lost(t, exc);
+}
+
+/* An exception from a protocol callback (pending in the thread state): to the loop's handler,
+   then the connection is aborted, as asyncio's transports do. */
+static void callback_failed(Transport *t, const char *what)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *ctx = Py_BuildValue("{s:s,s:O,s:O,s:O}", "message", what, "exception", value ? value : Py_None,
+                                  "transport", (PyObject *)t, "protocol", t->protocol);
+    if (ctx != NULL) {
+        PyObject *res = PyObject_CallMethodObjArgs(t->poller->loop, str_call_exception_handler, ctx, NULL);
+        if (res == NULL)
+            PyErr_WriteUnraisable((PyObject *)t);
+        Py_XDECREF(res);
+        Py_DECREF(ctx);
+    } else {
+        PyErr_WriteUnraisable((PyObject *)t);
+    }
+    force_close(t, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+static void os_error(Transport *t, int err)
+{
+    /* A reset or a broken pipe is the peer going away: connection_lost gets the error, and
+       nothing is logged (asyncio logs these at debug level only). */
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    force_close(t, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* -- output -------------------------------------------------------------------------- */
+
+static void maybe_resume_protocol(Transport *t)
+{
+    if (t->protocol_paused && !t->lost && t->wlen - t->wpos <= t->low) {
+        t->protocol_paused = 0;
+        PyObject *res = PyObject_CallMethodNoArgs(t->protocol, str_resume_writing);
+        if (res == NULL)
+            callback_failed(t, "protocol.resume_writing() failed");
+        Py_XDECREF(res);
+    }
+}
+
+static int buffer_append(Transport *t, const char *data, size_t len)
+{
+    if (t->wpos > 0 && t->wpos == t->wlen)
+        t->wpos = t->wlen = 0;
+    if (t->wlen + len > t->wcap) {
+        if (t->wpos > 0) { /* slide what is left to the front first */
+            memmove(t->wbuf, t->wbuf + t->wpos, t->wlen - t->wpos);
+            t->wlen -= t->wpos;
+            t->wpos = 0;
+        }
+        if (t->wlen + len > t->wcap) {
+            size_t cap = t->wcap ? t->wcap : 4096;
+            while (cap < t->wlen + len)
+                cap *= 2;
+            char *p = PyMem_Realloc(t->wbuf, cap);
+            if (p == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->wbuf = p;
+            t->wcap = cap;
+        }
+    }
+    memcpy(t->wbuf + t->wlen, data, len);
+    t->wlen += len;
+    return 0;
+}
+
+static void flush(Transport *t)
+{
+    while (t->wlen > t->wpos) {
+        ssize_t n = send(t->fd, t->wbuf + t->wpos, t->wlen - t->wpos, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            os_error(t, errno);
+            return;
+        }
+        t->wpos += (size_t)n;
+    }
+    if (t->wpos == t->wlen) {
+        t->wpos = t->wlen = 0;
+        if (t->wcap > 65536) { /* a burst's buffer is not kept for the connection's life */
+            PyMem_Free(t->wbuf);
+            t->wbuf = NULL;
+            t->wcap = 0;
+        }
+    }
+    update_events(t);
+    maybe_resume_protocol(t); /* also while closing, as asyncio does */
+    if (t->closing && t->wlen == 0)
+        schedule_lost(t, NULL);
+}
+
+static PyObject *Transport_write(Transport *t, PyObject *data)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Format(PyExc_TypeError, "data argument must be a bytes-like object, not %.100s",
+                     Py_TYPE(data)->tp_name);
+        return NULL;
+    }
+    if (t->closing || t->fd < 0 || view.len == 0) { /* asyncio drops writes after close the same way */
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    const char *p = view.buf;
+    size_t len = (size_t)view.len;
+    if (t->wlen == t->wpos) {
+        while (len > 0) {
+            ssize_t n = send(t->fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK)
+                    break;
+                int err = errno;
+                PyBuffer_Release(&view);
+                os_error(t, err);
+                Py_RETURN_NONE;
+            }
+            p += n;
+            len -= (size_t)n;
+        }
+        if (len == 0) {
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+    }
+    int rc = buffer_append(t, p, len);
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    update_events(t);
+    if (!t->protocol_paused && t->wlen - t->wpos > t->high) {
+        t->protocol_paused = 1;
+        PyObject *res = PyObject_CallMethodNoArgs(t->protocol, str_pause_writing);
+        if (res == NULL)
+            callback_failed(t, "protocol.pause_writing() failed");
+        Py_XDECREF(res);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_writelines(Transport *t, PyObject *seq)
+{
+    PyObject *it = PyObject_GetIter(seq);
+    if (it == NULL)
+        return NULL;
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        PyObject *res = Transport_write(t, item);
+        Py_DECREF(item);
+        if (res == NULL) {
+            Py_DECREF(it);
+            return NULL;
+        }
+        Py_DECREF(res);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* -- input --------------------------------------------------------------------------- */
+
+static void read_end(Transport *t, ssize_t n);
+static int deliver(Transport *t, ssize_t n);
+
+/* One edge: read until the socket is drained (a short read, unless the peer's FIN is pending
+   too: then on to the end), or until the protocol stops reading; resume_reading re-arms. */
+static void do_read(Transport *t, uint32_t ev)
+{
+    for (;;) {
+        ssize_t n = recv(t->fd, read_buffer, READ_SIZE, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n == 0 || n < 0) {
+            read_end(t, n);
+            return;
+        }
+        if (!deliver(t, n))
+            return;
+        if ((size_t)n < READ_SIZE && !(ev & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)))
+            return;
+        if (t->lost || !(t->events & EPOLLIN))
+            return;
+    }
+}
+
+/* recv gave 0 (EOF) or an error. */
+static void read_end(Transport *t, ssize_t n)
+{
+    if (n < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            os_error(t, errno);
+        return;
+    }
+    if (n == 0) {
+        t->eof = 1;
+        update_events(t);
+        PyObject *res = PyObject_CallMethodNoArgs(t->protocol, str_eof_received);
+        if (res == NULL) {
+            callback_failed(t, "protocol.eof_received() call failed.");
+            return;
+        }
+        int keep = PyObject_IsTrue(res);
+        Py_DECREF(res);
+        if (keep <= 0) {
+            PyErr_Clear();
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_close);
+            Py_XDECREF(r);
+            if (r == NULL)
+                PyErr_WriteUnraisable((PyObject *)t);
+        }
+        return;
+    }
+}
+
+/* Hand n bytes of the read buffer to the protocol; 0 if that failed (the connection is lost). */
+static int deliver(Transport *t, ssize_t n)
+{
+    PyObject *data = PyBytes_FromStringAndSize(read_buffer, n);
+    if (data == NULL) {
+        callback_failed(t, "out of memory reading a connection");
+        return 0;
+    }
+    PyObject *args[2] = {t->protocol, data};
+    PyObject *res = PyObject_VectorcallMethod(str_data_received, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(data);
+    if (res == NULL) {
+        callback_failed(t, "Fatal error: protocol.data_received() call failed.");
+        return 0;
+    }
+    Py_DECREF(res);
+    return 1;
+}
+
+/* -- Transport methods ----------------------------------------------------------------- */
+
+static PyObject *Transport_close(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    if (t->closing)
+        Py_RETURN_NONE;
+    t->closing = 1;
+    update_events(t);
+    if (t->wlen == t->wpos)
+        schedule_lost(t, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_abort(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    force_close(t, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_is_closing(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(t->closing);
+}
+
+static PyObject *Transport_pause_reading(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    if (!t->closing && !t->paused) {
+        t->paused = 1;
+        update_events(t);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_resume_reading(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    if (!t->closing && t->paused) {
+        t->paused = 0;
+        update_events(t);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_is_reading(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(!t->closing && !t->paused && !t->eof);
+}
+
+static PyObject *Transport_get_write_buffer_size(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(t->wlen - t->wpos);
+}
+
+static PyObject *Transport_get_write_buffer_limits(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(nn)", (Py_ssize_t)t->low, (Py_ssize_t)t->high);
+}
+
+static PyObject *Transport_set_write_buffer_limits(Transport *t, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"high", "low", NULL};
+    PyObject *high_o = Py_None, *low_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:set_write_buffer_limits", kwlist, &high_o, &low_o))
+        return NULL;
+    Py_ssize_t high, low;
+    if (high_o == Py_None) {
+        if (low_o == Py_None)
+            high = 64 * 1024;
+        else {
+            low = PyLong_AsSsize_t(low_o);
+            if (low == -1 && PyErr_Occurred())
+                return NULL;
+            high = 4 * low;
+        }
+    } else {
+        high = PyLong_AsSsize_t(high_o);
+        if (high == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (low_o == Py_None)
+        low = high / 4;
+    else {
+        low = PyLong_AsSsize_t(low_o);
+        if (low == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (!(high >= low && low >= 0)) {
+        PyErr_Format(PyExc_ValueError, "high (%zd) must be >= low (%zd) must be >= 0", high, low);
+        return NULL;
+    }
+    t->high = (size_t)high;
+    t->low = (size_t)low;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_get_extra_info(Transport *t, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"name", "default", NULL};
+    const char *name;
+    PyObject *dflt = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|O:get_extra_info", kwlist, &name, &dflt))
+        return NULL;
+    PyObject *v = NULL;
+    if (strcmp(name, "peername") == 0)
+        v = t->peername;
+    else if (strcmp(name, "sockname") == 0)
+        v = t->sockname;
+    else if (strcmp(name, "socket") == 0)
+        v = t->sock;
+    if (v == NULL || v == Py_None)
+        v = dflt;
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *Transport_get_protocol(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    Py_INCREF(t->protocol);
+    return t->protocol;
+}
+
+static PyObject *Transport_set_protocol(Transport *t, PyObject *protocol)
+{
+    Py_INCREF(protocol);
+    Py_SETREF(t->protocol, protocol);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_can_write_eof(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    Py_RETURN_FALSE;
+}
+
+/* Start reading: after connection_made, as asyncio does (a refusal there closes first). */
+static PyObject *Transport_start(Transport *t, PyObject *Py_UNUSED(ignored))
+{
+    if (!t->started) {
+        t->started = 1;
+        update_events(t);
+    }
+    Py_RETURN_NONE;
+}
+
+/* Runs from the loop after close()/abort()/an error: the protocol's connection_lost, then the
+   descriptor is closed and the poller lets the transport go. */
+static PyObject *Transport_call_connection_lost(Transport *t, PyObject *exc)
+{
+    if (t->fd < 0)
+        Py_RETURN_NONE;
+    PyObject *res = PyObject_CallMethodOneArg(t->protocol, str_connection_lost, exc);
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    if (res == NULL)
+        PyErr_Fetch(&type, &value, &tb);
+    Py_XDECREF(res);
+    t->events = 0; /* already out of the epoll set (schedule_lost) */
+    t->fd = -1;
+    PyObject *r = PyObject_CallMethodNoArgs(t->sock, str_close);
+    if (r == NULL)
+        PyErr_WriteUnraisable(t->sock);
+    Py_XDECREF(r);
+    t->poller->live--;
+    PyMem_Free(t->wbuf);
+    t->wbuf = NULL;
+    t->wcap = t->wpos = t->wlen = 0;
+    Py_DECREF(t); /* the poller's reference, taken in Transport_new */
+    if (type != NULL) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Transport_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"poller", "sock", "protocol", "peername", "sockname", NULL};
+    PyObject *poller, *sock, *protocol, *peername = Py_None, *sockname = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|OO:Transport", kwlist, &PollerType, &poller, &sock,
+                                     &protocol, &peername, &sockname))
+        return NULL;
+    PyObject *fdo = PyObject_CallMethod(sock, "fileno", NULL);
+    if (fdo == NULL)
+        return NULL;
+    int fd = (int)PyLong_AsLong(fdo);
+    Py_DECREF(fdo);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "the socket is closed");
+        return NULL;
+    }
+    Transport *t = (Transport *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    Py_INCREF(poller);
+    t->poller = (Poller *)poller;
+    Py_INCREF(sock);
+    t->sock = sock;
+    Py_INCREF(protocol);
+    t->protocol = protocol;
+    Py_INCREF(peername);
+    t->peername = peername;
+    Py_INCREF(sockname);
+    t->sockname = sockname;
+    t->fd = fd;
+    t->high = 64 * 1024;
+    t->low = 16 * 1024;
+    t->poller->live++;
+    Py_INCREF(t); /* held while the connection lives: epoll's events point here */
+    return (PyObject *)t;
+}
+
+static int Transport_traverse(Transport *t, visitproc visit, void *arg)
+{
+    Py_VISIT(t->poller);
+    Py_VISIT(t->protocol);
+    Py_VISIT(t->sock);
+    Py_VISIT(t->peername);
+    Py_VISIT(t->sockname);
+    return 0;
+}
+
+static int Transport_clear(Transport *t)
+{
+    Py_CLEAR(t->protocol);
+    Py_CLEAR(t->sock);
+    Py_CLEAR(t->peername);
+    Py_CLEAR(t->sockname);
+    Py_CLEAR(t->poller);
+    return 0;
+}
+
+static void Transport_dealloc(Transport *t)
+{
+    PyObject_GC_UnTrack(t);
+    Transport_clear(t);
+    PyMem_Free(t->wbuf);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMethodDef Transport_methods[] = {
+    {"write", (PyCFunction)Transport_write, METH_O, "Send now what the socket takes; buffer the rest."},
+    {"writelines", (PyCFunction)Transport_writelines, METH_O, NULL},
+    {"close", (PyCFunction)Transport_close, METH_NOARGS, "Flush, then lose the connection."},
+    {"abort", (PyCFunction)Transport_abort, METH_NOARGS, "Drop the output and lose the connection."},
+    {"is_closing", (PyCFunction)Transport_is_closing, METH_NOARGS, NULL},
+    {"pause_reading", (PyCFunction)Transport_pause_reading, METH_NOARGS, NULL},
+    {"resume_reading", (PyCFunction)Transport_resume_reading, METH_NOARGS, NULL},
+    {"is_reading", (PyCFunction)Transport_is_reading, METH_NOARGS, NULL},
+    {"get_write_buffer_size", (PyCFunction)Transport_get_write_buffer_size, METH_NOARGS, NULL},
+    {"get_write_buffer_limits", (PyCFunction)Transport_get_write_buffer_limits, METH_NOARGS, NULL},
+    {"set_write_buffer_limits", (PyCFunction)(void (*)(void))Transport_set_write_buffer_limits,
+     METH_VARARGS | METH_KEYWORDS, NULL},
+    {"get_extra_info", (PyCFunction)(void (*)(void))Transport_get_extra_info, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"get_protocol", (PyCFunction)Transport_get_protocol, METH_NOARGS, NULL},
+    {"set_protocol", (PyCFunction)Transport_set_protocol, METH_O, NULL},
+    {"can_write_eof", (PyCFunction)Transport_can_write_eof, METH_NOARGS, NULL},
+    {"start", (PyCFunction)Transport_start, METH_NOARGS, "Begin reading (after connection_made)."},
+    {"_call_connection_lost", (PyCFunction)Transport_call_connection_lost, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TransportType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "broker._netio.Transport",
+    .tp_basicsize = sizeof(Transport),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One client connection's socket, read and written from the poller's epoll set.",
+    .tp_new = Transport_new,
+    .tp_dealloc = (destructor)Transport_dealloc,
+    .tp_traverse = (traverseproc)Transport_traverse,
+    .tp_clear = (inquiry)Transport_clear,
+    .tp_methods = Transport_methods,
+};
+
+/* -- Poller ---------------------------------------------------------------------------- */
+
+static PyObject *Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"loop", NULL};
+    PyObject *loop;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Poller", kwlist, &loop))
+        return NULL;
+    int epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (epfd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Poller *p = (Poller *)type->tp_alloc(type, 0);
+    if (p == NULL) {
+        close(epfd);
+        return NULL;
+    }
+    p->epfd = epfd;
+    Py_INCREF(loop);
+    p->loop = loop;
+    return (PyObject *)p;
+}
+
+/* The loop saw the epoll descriptor readable: serve every connection with something to do. */
+static PyObject *Poller_poll(Poller *p, PyObject *Py_UNUSED(ignored))
+{
+    struct epoll_event evs[MAX_EVENTS];
+    if (p->epfd < 0)
+        Py_RETURN_NONE;
+    int n = epoll_wait(p->epfd, evs, MAX_EVENTS, 0);
+    if (n < 0) {
+        if (errno == EINTR)
+            Py_RETURN_NONE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    for (int i = 0; i < n; i++) {
+        Transport *t = evs[i].data.ptr;
+        uint32_t ev = evs[i].events;
+        Py_INCREF(t); /* callbacks may close it: keep it until this event is handled */
+        if (!t->lost && (ev & EPOLLOUT || ((ev & (EPOLLERR | EPOLLHUP)) && t->wlen > t->wpos)))
+            flush(t);
+        if (!t->lost && (t->events & EPOLLIN) && (ev & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)))
+            do_read(t, ev);
+        Py_DECREF(t);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Poller_fileno(Poller *p, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLong(p->epfd);
+}
+
+static PyObject *Poller_live(Poller *p, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSsize_t(p->live);
+}
+
+static PyObject *Poller_close(Poller *p, PyObject *Py_UNUSED(ignored))
+{
+    if (p->epfd >= 0) {
+        close(p->epfd);
+        p->epfd = -1;
+    }
+    Py_RETURN_NONE;
+}
+
+static int Poller_traverse(Poller *p, visitproc visit, void *arg)
+{
+    Py_VISIT(p->loop);
+    return 0;
+}
+
+static int Poller_clear(Poller *p)
+{
+    Py_CLEAR(p->loop);
+    return 0;
+}
+
+static void Poller_dealloc(Poller *p)
+{
+    PyObject_GC_UnTrack(p);
+    if (p->epfd >= 0)
+        close(p->epfd);
+    Poller_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyMethodDef Poller_methods[] = {
+    {"poll", (PyCFunction)Poller_poll, METH_NOARGS, "Serve the connections epoll reports ready (never blocks)."},
+    {"fileno", (PyCFunction)Poller_fileno, METH_NOARGS, "The epoll descriptor, for loop.add_reader."},
+    {"live", (PyCFunction)Poller_live, METH_NOARGS, "Transports whose connection_lost has not run yet."},
+    {"close", (PyCFunction)Poller_close, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PollerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "broker._netio.Poller",
+    .tp_basicsize = sizeof(Poller),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One epoll set for the client connections of one loop.",
+    .tp_new = Poller_new,
+    .tp_dealloc = (destructor)Poller_dealloc,
+    .tp_traverse = (traverseproc)Poller_traverse,
+    .tp_clear = (inquiry)Poller_clear,
+    .tp_methods = Poller_methods,
+};
+
+static struct PyModuleDef netio_module = {
+    PyModuleDef_HEAD_INIT, "broker._netio", "Client sockets read and written in C (see broker/netio.py).", -1, NULL,
+};
+
+#define INTERN(var, s)                                                                                           \
+    if ((var = PyUnicode_InternFromString(s)) == NULL)                                                           \
+        return NULL;
+
+PyMODINIT_FUNC PyInit__netio(void)
+{
+    INTERN(str_data_received, "data_received");
+    INTERN(str_eof_received, "eof_received");
+    INTERN(str_connection_lost, "connection_lost");
+    INTERN(str_pause_writing, "pause_writing");
+    INTERN(str_resume_writing, "resume_writing");
+    INTERN(str_call_soon, "call_soon");
+    INTERN(str_call_exception_handler, "call_exception_handler");
+    INTERN(str_close, "close");
+    if (PyType_Ready(&PollerType) < 0 || PyType_Ready(&TransportType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&netio_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&PollerType);
+    Py_INCREF(&TransportType);
+    if (PyModule_AddObject(m, "Poller", (PyObject *)&PollerType) < 0 ||
+        PyModule_AddObject(m, "Transport", (PyObject *)&TransportType) < 0)
+        return NULL;
+    return m;
+}

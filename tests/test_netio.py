@@ -1,0 +1,413 @@
+"""The C transport of plain-TCP client connections (broker/_netio.c, broker/netio.py).
+
+Real sockets on 127.0.0.1 and a real uvloop loop in this process; each test checks one of
+the asyncio Transport semantics the broker's connections rely on. The broker itself runs
+on this transport in every other test of the compiled pass (tests/test_server_*.py,
+tests/test_hardening.py, the client suites); the interpreted pass runs uvloop's.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import uvloop
+
+from broker import netio
+from tests.helpers import ServerProcess, broker_process, wait_until
+
+TIMEOUT = 10.0
+
+
+def c_transport() -> ModuleType:
+    """The built extension itself (it does not depend on the mypyc build; CI always builds it)."""
+    return importlib.import_module(netio.MODULE)
+
+
+class Recorder(asyncio.Protocol):
+    """Records every callback; ``on_data`` lets a test answer."""
+
+    def __init__(self, on_data: Callable[[Recorder, bytes], None] | None = None, keep_open: bool = False) -> None:
+        self.on_data = on_data
+        self.keep_open = keep_open
+        self.transport: Any = None
+        self.data = bytearray()
+        self.events: list[Any] = []
+        self.lost: list[BaseException | None] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.events.append("made")
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+        if self.on_data is not None:
+            self.on_data(self, data)
+
+    def eof_received(self) -> bool:
+        self.events.append("eof")
+        return self.keep_open
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append("lost")
+        self.lost.append(exc)
+
+    def pause_writing(self) -> None:
+        self.events.append("pause")
+
+    def resume_writing(self) -> None:
+        self.events.append("resume")
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    uvloop.run(asyncio.wait_for(test(), 60))
+
+
+async def serve(protocols: list[Recorder], make: Callable[[], Recorder] = Recorder) -> tuple[netio.NetioServer, int]:
+    def factory() -> Recorder:
+        proto = make()
+        protocols.append(proto)
+        return proto
+
+    server = await netio.create_server(c_transport(), factory, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def client(port: int, rcvbuf: int = 0) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf:  # before connecting: the window is set at the handshake
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(TIMEOUT)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    return sock
+
+
+async def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    while len(got) < size:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, size - len(got)), TIMEOUT)
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got)
+
+
+async def recv_until_eof(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    while True:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), TIMEOUT)
+        if not chunk:
+            return bytes(got)
+        got += chunk
+
+
+def echo(proto: Recorder, data: bytes) -> None:
+    proto.transport.write(data.upper())
+
+
+def test_commands_from_many_connections_are_answered_in_order() -> None:
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos, lambda: Recorder(echo))
+        socks = [await client(port) for _ in range(20)]
+        loop = asyncio.get_running_loop()
+        for round_ in range(50):
+            for i, sock in enumerate(socks):
+                await loop.sock_sendall(sock, f"c{i}r{round_};".encode())
+            for i, sock in enumerate(socks):
+                want = f"C{i}R{round_};".encode()
+                assert await recv_exactly(sock, len(want)) == want
+        assert [p.events for p in protos] == [["made"]] * 20
+        for sock in socks:
+            sock.close()
+        await until(lambda: all(p.lost for p in protos), "connection_lost on every connection")
+        assert all(p.lost == [None] for p in protos)  # exactly once each, no error for a clean close
+        server.close()
+        await server.wait_closed()
+        assert server.live_connections() == 0
+
+    run(body)
+
+
+def test_close_delivers_everything_buffered_with_flow_control_then_eof() -> None:
+    """A reply larger than the socket takes: the rest is buffered, the protocol paused above
+    the high-water mark and resumed once drained; close() sends it all before closing."""
+    payload = bytes(range(256)) * (64 * 1024)  # 16 MiB: far more than the sockets buffer
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        proto.transport.write(payload)
+        assert proto.transport.get_write_buffer_size() > 0
+        proto.transport.close()
+        proto.transport.write(b"after close")  # dropped, as asyncio drops it
+        assert proto.lost == []  # connection_lost runs from the loop, never inside close()
+
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos, lambda: Recorder(answer))
+        sock = await client(port, rcvbuf=4096)
+        await asyncio.get_running_loop().sock_sendall(sock, b"go")
+        await until(lambda: protos and "pause" in protos[0].events, "pause_writing")
+        got = await recv_until_eof(sock)
+        assert got == payload
+        await until(lambda: protos[0].lost, "connection_lost")
+        assert protos[0].events == ["made", "pause", "resume", "lost"]
+        assert protos[0].lost == [None]
+        sock.close()
+        server.close()
+
+    run(body)
+
+
+def test_abort_drops_the_buffer_and_loses_the_connection_once() -> None:
+    payload = b"x" * (16 << 20)
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        proto.transport.write(payload)
+        proto.transport.abort()
+        proto.transport.abort()
+        proto.transport.close()
+
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos, lambda: Recorder(answer))
+        sock = await client(port, rcvbuf=4096)
+        await asyncio.get_running_loop().sock_sendall(sock, b"go")
+        await until(lambda: protos and protos[0].lost, "connection_lost")
+        got = len(await recv_until_eof(sock))
+        assert got < len(payload)
+        assert protos[0].lost == [None]
+        assert protos[0].transport.get_write_buffer_size() == 0
+        sock.close()
+        server.close()
+
+    run(body)
+
+
+@pytest.mark.parametrize("keep_open", [True, False])
+def test_a_client_half_close_keeps_the_connection_writable_only_if_the_protocol_asks(keep_open: bool) -> None:
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos, lambda: Recorder(keep_open=keep_open))
+        sock = await client(port)
+        await asyncio.get_running_loop().sock_sendall(sock, b"last words")
+        sock.shutdown(socket.SHUT_WR)
+        await until(lambda: protos and "eof" in protos[0].events, "eof_received")
+        assert bytes(protos[0].data) == b"last words"
+        if keep_open:
+            assert not protos[0].transport.is_reading()
+            protos[0].transport.write(b"reply after eof")
+            protos[0].transport.close()
+            assert await recv_until_eof(sock) == b"reply after eof"
+        else:
+            assert await recv_until_eof(sock) == b""
+        await until(lambda: protos[0].lost, "connection_lost")
+        assert protos[0].events == ["made", "eof", "lost"]
+        sock.close()
+        server.close()
+
+    run(body)
+
+
+def test_pause_reading_holds_input_until_resumed() -> None:
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos)
+        sock = await client(port)
+        loop = asyncio.get_running_loop()
+        await until(lambda: protos and protos[0].transport, "accept")
+        proto = protos[0]
+        await loop.sock_sendall(sock, b"one")
+        await until(lambda: proto.data == b"one", "first input")
+        proto.transport.pause_reading()
+        assert not proto.transport.is_reading()
+        await loop.sock_sendall(sock, b"two")
+        sock.shutdown(socket.SHUT_WR)  # neither the data nor the EOF may be seen while paused
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            assert proto.data == b"one" and "eof" not in proto.events
+        proto.transport.resume_reading()
+        await until(lambda: "eof" in proto.events, "eof after resume")
+        assert proto.data == b"onetwo"
+        proto.transport.close()
+        await until(lambda: proto.lost, "connection_lost")
+        sock.close()
+        server.close()
+
+    run(body)
+
+
+def test_an_exception_in_data_received_is_reported_and_aborts_that_connection_only() -> None:
+    def explode(proto: Recorder, data: bytes) -> None:
+        if data.startswith(b"boom"):
+            raise RuntimeError("protocol bug")
+        proto.transport.write(b"ok")
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        protos: list[Recorder] = []
+        server, port = await serve(protos, lambda: Recorder(explode))
+        bad, good = await client(port), await client(port)
+        await until(lambda: len(protos) == 2 and protos[1].transport, "two connections")
+        await loop.sock_sendall(bad, b"boom")
+        assert await recv_until_eof(bad) == b""
+        await until(lambda: protos[0].lost, "connection_lost")
+        assert len(reported) == 1
+        assert "data_received" in reported[0]["message"]
+        assert isinstance(reported[0]["exception"], RuntimeError)
+        assert isinstance(protos[0].lost[0], RuntimeError)
+        await loop.sock_sendall(good, b"still there?")
+        assert await recv_exactly(good, 2) == b"ok"
+        bad.close()
+        good.close()
+        server.close()
+
+    run(body)
+
+
+def test_a_reset_peer_loses_the_connection_with_its_error() -> None:
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos)
+        sock = await client(port)
+        await until(lambda: protos and protos[0].transport, "accept")
+        proto = protos[0]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()  # RST
+        await until(lambda: proto.lost or "eof" in proto.events, "the reset seen")
+        if not proto.lost:  # seen as EOF first: a write then meets the reset
+            for _ in range(3):
+                proto.transport.write(b"x" * 1000)
+                await asyncio.sleep(0.01)
+        await until(lambda: proto.lost, "connection_lost")
+        assert proto.lost[0] is None or isinstance(proto.lost[0], OSError)
+        assert len(proto.lost) == 1
+        server.close()
+
+    run(body)
+
+
+def test_transport_details_and_argument_checks() -> None:
+    async def body() -> None:
+        protos: list[Recorder] = []
+        server, port = await serve(protos)
+        sock = await client(port)
+        await until(lambda: protos and protos[0].transport, "accept")
+        t = protos[0].transport
+        assert t.get_extra_info("peername") == sock.getsockname()
+        assert t.get_extra_info("sockname") == ("127.0.0.1", port)
+        assert isinstance(t.get_extra_info("socket"), socket.socket)
+        assert t.get_extra_info("nothing", "dflt") == "dflt"
+        assert t.get_protocol() is protos[0]
+        assert not t.can_write_eof()
+        t.set_write_buffer_limits(high=100)
+        assert t.get_write_buffer_limits() == (25, 100)
+        t.set_write_buffer_limits(low=10)
+        assert t.get_write_buffer_limits() == (10, 40)
+        with pytest.raises(ValueError):
+            t.set_write_buffer_limits(high=1, low=2)
+        with pytest.raises(TypeError, match="bytes-like"):
+            t.write("text")
+        t.write(bytearray(b"ab"))
+        t.write(memoryview(b"cd"))
+        t.writelines([b"e", b"f"])
+        assert await recv_exactly(sock, 6) == b"abcdef"
+        t.close()
+        assert t.is_closing()
+        await until(lambda: protos[0].lost, "connection_lost")
+        sock.close()
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1)
+
+    run(body)
+
+
+def test_out_of_descriptors_pauses_accepting_and_reports_it() -> None:
+    """EMFILE on accept: reported to the loop's handler (the broker counts accept_errors) and
+    accepting pauses instead of spinning on a listener that stays readable; it resumes."""
+    code = r"""
+import asyncio, resource, socket, sys, uvloop
+from broker import netio
+import broker._netio as c
+
+async def main():
+    loop = asyncio.get_running_loop()
+    seen = []
+    loop.set_exception_handler(lambda _l, ctx: seen.append(ctx["message"]))
+    netio.ACCEPT_PAUSE = 0.2
+    server = await netio.create_server(c, asyncio.Protocol, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        while True:
+            fillers.append(socket.socket())
+    except OSError:
+        pass
+    fillers.pop().close()  # one for the client's socket
+    cl = socket.socket(); cl.setblocking(False); cl.connect_ex(("127.0.0.1", port))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if seen:
+            break
+    for f in fillers:
+        f.close()
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if server.live_connections():
+            break
+    print(seen, server.live_connections())
+
+uvloop.run(main())
+"""
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+    res = subprocess.run([sys.executable, "-c", limit + code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "['socket.accept() out of system resource'] 1", res.stdout + res.stderr
+
+
+def test_the_broker_serves_its_clients_on_the_c_transport_when_compiled(tmp_path: Any) -> None:
+    """What a compiled install runs, said in the start-up log; SPARK_BEANSTALK_NETIO=0 turns it off."""
+    from broker import _build
+    if not _build.inspect_build().compiled:
+        pytest.fail("the compiled core is not built here (CI builds it): cannot check the C transport")
+    for env, expect in (({}, "C transport"), ({netio.NETIO_ENV: "0"}, "uvloop transports")):
+        proc: ServerProcess = broker_process(extra_args=["-V"], stderr_path=str(tmp_path / "log"),
+                                             env={**os.environ, **env})
+        proc.start()
+        try:
+            line = wait_until(lambda p=proc: next((ln for ln in p.log().splitlines() if "event=listening" in ln),
+                                                  None), TIMEOUT, "the listening line")
+            assert expect in line
+            with socket.create_connection((proc.host, proc.port), timeout=TIMEOUT) as s:
+                s.sendall(b"put 0 0 10 2\r\nhi\r\n")
+                assert s.recv(100) == b"INSERTED 1\r\n"
+        finally:
+            proc.stop()
+        (tmp_path / "log").unlink()

@@ -66,6 +66,8 @@ typedef struct {
 static PyTypeObject PollerType;
 static PyTypeObject TransportType;
 
+static void os_error(Transport *t, int err);
+
 /* -- epoll interest ------------------------------------------------------------------ */
 
 static void update_events(Transport *t)
@@ -90,9 +92,14 @@ static void update_events(Transport *t)
     ev.data.ptr = t;
     int op = want == 0 ? EPOLL_CTL_DEL : (t->events == 0 ? EPOLL_CTL_ADD : EPOLL_CTL_MOD);
     /* A descriptor with nothing wanted leaves the set: epoll reports hang-ups and errors even
-       when not asked, and a level-triggered report nobody handles would spin the loop. */
-    if (epoll_ctl(t->poller->epfd, op, t->fd, &ev) == 0 || op == EPOLL_CTL_DEL)
+       when not asked. */
+    if (epoll_ctl(t->poller->epfd, op, t->fd, &ev) == 0 || op == EPOLL_CTL_DEL) {
         t->events = want;
+        return;
+    }
+    /* No room in the epoll set (ENOMEM, ENOSPC): a connection that can never be read or
+       flushed is lost now rather than held forever. */
+    os_error(t, errno);
 }
 
 /* -- closing ------------------------------------------------------------------------- */
@@ -134,6 +141,13 @@ static void callback_failed(Transport *t, const char *what)
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL && value != NULL)
         PyException_SetTraceback(value, tb);
+    if (value != NULL && PyErr_GivenExceptionMatches(value, PyExc_OSError)) {
+        force_close(t, value); /* as asyncio: an OSError loses the connection without a report */
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return;
+    }
     PyObject *ctx = Py_BuildValue("{s:s,s:O,s:O,s:O}", "message", what, "exception", value ? value : Py_None,
                                   "transport", (PyObject *)t, "protocol", t->protocol);
     if (ctx != NULL) {
@@ -275,6 +289,8 @@ static PyObject *Transport_write(Transport *t, PyObject *data)
     if (rc < 0)
         return NULL;
     update_events(t);
+    if (t->lost)
+        Py_RETURN_NONE;
     if (!t->protocol_paused && t->wlen - t->wpos > t->high) {
         t->protocol_paused = 1;
         PyObject *res = PyObject_CallMethodNoArgs(t->protocol, str_pause_writing);
@@ -311,8 +327,21 @@ static PyObject *Transport_writelines(Transport *t, PyObject *seq)
 static void read_end(Transport *t, ssize_t n);
 static int deliver(Transport *t, ssize_t n);
 
-/* One edge: read until the socket is drained (a short read, unless the peer's FIN is pending
-   too: then on to the end), or until the protocol stops reading; resume_reading re-arms. */
+/* Report the socket again at the next poll (EPOLL_CTL_MOD re-checks it and queues an edge if it
+   is still ready). */
+static void rearm(Transport *t)
+{
+    struct epoll_event ev;
+    ev.events = t->events | EPOLLET | ((t->events & EPOLLIN) ? EPOLLRDHUP : 0);
+    ev.data.ptr = t;
+    if (t->events && epoll_ctl(t->poller->epfd, EPOLL_CTL_MOD, t->fd, &ev) < 0)
+        os_error(t, errno);
+}
+
+/* One edge: one read, as uvloop does per connection and loop pass, so that a client sending
+   faster than its commands run cannot hold the loop (and every other client, timer and signal)
+   in this call. A full buffer may have more behind it: the socket is re-armed for the next
+   poll. A short read drains the socket; if the peer's FIN came too, the next read is the EOF. */
 static void do_read(Transport *t, uint32_t ev)
 {
     for (;;) {
@@ -325,9 +354,13 @@ static void do_read(Transport *t, uint32_t ev)
         }
         if (!deliver(t, n))
             return;
-        if ((size_t)n < READ_SIZE && !(ev & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)))
-            return;
         if (t->lost || !(t->events & EPOLLIN))
+            return; /* closed or paused: resume_reading re-arms */
+        if ((size_t)n == READ_SIZE) {
+            rearm(t);
+            return;
+        }
+        if (!(ev & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)))
             return;
     }
 }
@@ -350,8 +383,11 @@ static void read_end(Transport *t, ssize_t n)
         }
         int keep = PyObject_IsTrue(res);
         Py_DECREF(res);
-        if (keep <= 0) {
-            PyErr_Clear();
+        if (keep < 0) {
+            callback_failed(t, "protocol.eof_received() call failed.");
+            return;
+        }
+        if (keep == 0) {
             PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_close);
             Py_XDECREF(r);
             if (r == NULL)

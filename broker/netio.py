@@ -157,7 +157,7 @@ class NetioServer(asyncio.AbstractServer):
         """Let the connection_lost callbacks of closed connections run, then give the epoll set
         back once none is left (asyncio 3.11's Server.wait_closed does not wait for them either)."""
         await asyncio.sleep(0)
-        if not self._serving and self._poller.live() == 0:
+        if not self._serving and self._poller.live() == 0 and self._poller.fileno() >= 0:
             self._loop.remove_reader(self._poller.fileno())
             self._poller.close()
 

@@ -8,11 +8,13 @@ tests/test_hardening.py, the client suites); the interpreted pass runs uvloop's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from types import ModuleType
@@ -411,3 +413,51 @@ def test_the_broker_serves_its_clients_on_the_c_transport_when_compiled(tmp_path
         finally:
             proc.stop()
         (tmp_path / "log").unlink()
+
+
+@pytest.mark.parametrize("transport", ["c", "uvloop"])
+def test_a_client_flooding_commands_does_not_hold_the_loop(tmp_path: Any, transport: str) -> None:
+    """One connection pipelines cheap commands faster than they run: every other client, the
+    timers and a SIGTERM still get their turn (a read per connection and loop pass, as uvloop;
+    the first edge-triggered C transport kept reading while each read filled its buffer, and
+    another client waited over 15 s for a reply)."""
+    env = {**os.environ, netio.NETIO_ENV: "1" if transport == "c" else "0"}
+    proc = broker_process(stderr_path=str(tmp_path / "log"), env=env).start()
+    stop = threading.Event()
+    flood = socket.create_connection((proc.host, proc.port), timeout=TIMEOUT)
+
+    def send() -> None:
+        chunk = b"use a\r\n" * 100_000
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                flood.sendall(chunk)
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and flood.recv(1 << 20):
+                pass
+
+    threads = [threading.Thread(target=send, daemon=True), threading.Thread(target=drain, daemon=True)]
+    try:
+        for thread in threads:
+            thread.start()
+        with socket.create_connection((proc.host, proc.port), timeout=TIMEOUT) as probe:
+            worst = 0.0
+            for _ in range(5):
+                started = time.monotonic()
+                probe.sendall(b"list-tube-used\r\n")
+                assert probe.recv(100) == b"USING default\r\n"
+                worst = max(worst, time.monotonic() - started)
+            started = time.monotonic()
+            probe.sendall(b"reserve-with-timeout 1\r\n")
+            assert probe.recv(100) == b"TIMED_OUT\r\n"
+            reserve_took = time.monotonic() - started
+        assert worst < 2.0, f"a reply took {worst:.2f} s behind the flood"
+        assert reserve_took < 3.0, f"a 1 s reserve timeout took {reserve_took:.2f} s"
+        started = time.monotonic()
+        assert proc.stop(timeout=TIMEOUT) == 0
+        assert time.monotonic() - started < 5.0
+    finally:
+        stop.set()
+        flood.close()
+        proc.stop()

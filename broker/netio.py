@@ -81,7 +81,8 @@ class NetioServer(asyncio.AbstractServer):
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
-        return tuple(self._sockets)
+        """The listening sockets; none once closed (as asyncio.Server.sockets)."""
+        return tuple(self._sockets) if self._serving else ()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop

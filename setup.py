@@ -1,4 +1,5 @@
-"""Compiles the broker's hot modules with mypyc where a C compiler is present.
+"""Compiles the broker's hot modules with mypyc where a C compiler is present, and beside them
+the client sockets' C transport (broker/_netio.c; broker/netio.py says when it is used).
 
 Everything else (metadata, dependencies) is in pyproject.toml. The compile is optional:
 without mypy, without a C compiler, or with SPARK_BEANSTALK_NO_COMPILE=1 the package

@@ -65,8 +65,8 @@ def _source(module: str) -> Path:
     return PACKAGE_DIR.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def _extension(module: str) -> Path | None:
-    """The compiled extension file of a hot module, if one was built."""
+def extension(module: str) -> Path | None:
+    """The extension file of a module of this package (a hot module's, or broker._netio's), if built."""
     stem = PACKAGE_DIR.parent.joinpath(*module.split("."))
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = stem.with_name(stem.name + suffix)
@@ -88,22 +88,29 @@ def _group_library() -> Path | None:
     return None
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off switch from the environment: unset or blank is ``default``; 0, false, no are off."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no")
+
+
+def older_than_source(ext: Path, source: Path) -> bool:
+    """A built extension older than its source would silently run old code (an edited checkout)."""
+    return source.exists() and source.stat().st_mtime > ext.stat().st_mtime
 
 
 def inspect_build() -> Selection:
     """What select() would decide, without changing anything."""
-    built = {m: _extension(m) for m in HOT_MODULES}
+    built = {m: extension(m) for m in HOT_MODULES}
     present = [m for m, ext in built.items() if ext is not None]
     if not present:
         return Selection(False, "interpreted (no compiled modules built)")
-    if _env_true(PURE_ENV):
+    if env_flag(PURE_ENV):
         return Selection(False, f"interpreted ({PURE_ENV}=1)")
     missing = [m for m in HOT_MODULES if built[m] is None]
     if missing or _group_library() is None:
         return Selection(False, f"interpreted (compiled set incomplete: {', '.join(missing) or 'group library'})")
-    stale = [m for m, ext in built.items() if ext is not None and _source(m).stat().st_mtime > ext.stat().st_mtime]
+    stale = [m for m, ext in built.items() if ext is not None and older_than_source(ext, _source(m))]
     if stale:
         return Selection(False, f"interpreted (compiled modules older than their source: {', '.join(stale)}; "
                                 f"rebuild with `python setup.py build_ext --inplace`)")
@@ -113,7 +120,7 @@ def inspect_build() -> Selection:
 def select() -> Selection:
     """Make the decision for this process; called once, before the hot modules load."""
     choice = inspect_build()
-    if not choice.compiled and any(_extension(m) for m in HOT_MODULES):
+    if not choice.compiled and any(extension(m) for m in HOT_MODULES):
         if not any(isinstance(f, SourceFirst) for f in sys.meta_path):
             sys.meta_path.insert(0, SourceFirst(HOT_MODULES))
         if "stale" in choice.reason or "incomplete" in choice.reason or "older" in choice.reason:

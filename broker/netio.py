@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import importlib
-import importlib.machinery
-import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -33,24 +31,16 @@ _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_PAUSE = 1.0
 
 
-def _extension() -> Path | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = SOURCE.with_name("_netio" + suffix)
-        if path.exists():
-            return path
-    return None
-
-
 def status() -> tuple[ModuleType | None, str]:
     """The C transport module if this process should use it, and why (or why not) in words."""
-    if os.environ.get(NETIO_ENV, "").strip().lower() in ("0", "false", "no"):
+    if not _build.env_flag(NETIO_ENV, default=True):
         return None, f"uvloop transports ({NETIO_ENV}=0)"
     if not _build.inspect_build().compiled:
         return None, "uvloop transports (interpreted build)"
-    ext = _extension()
+    ext = _build.extension(MODULE)
     if ext is None:
         return None, "uvloop transports (broker/_netio.c not built)"
-    if SOURCE.exists() and SOURCE.stat().st_mtime > ext.stat().st_mtime:
+    if _build.older_than_source(ext, SOURCE):
         return None, "uvloop transports (broker/_netio older than its source: rebuild)"
     try:
         return importlib.import_module(MODULE), "C transport (broker/_netio.c)"

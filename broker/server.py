@@ -63,7 +63,6 @@ class BrokerServer:
         self.servers: list[asyncio.Server | netio.NetioServer] = []
         # The C transport for plain-TCP clients where it was built (broker/netio.py), else uvloop's.
         self.netio, self.transport_reason = netio.status()
-        self.transport_name = "c" if self.netio is not None else "uvloop"  # beanstalk_build_info{transport}
         # replication: runs at shutdown after clients stop being read, before they are closed
         self.before_close: Callable[[], Awaitable[None]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,6 +73,11 @@ class BrokerServer:
     def busy_poll(self) -> BusyPoll | None:
         """The busy poll of the client connections, once started (None with --busy-poll-us 0)."""
         return self.state.busy_poll
+
+    @property
+    def transport_name(self) -> str:
+        """For beanstalk_build_info{transport}: "c" (broker/_netio.c) or "uvloop"."""
+        return "c" if self.netio is not None else "uvloop"
 
     def is_leader(self) -> bool:
         """For /readyz and load balancers: False only on a replicated member that does not lead now."""

@@ -5,6 +5,7 @@ in `spark_beanstalk.embedded` so that jobs/ and bench/ share them too.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -71,7 +73,21 @@ __all__ = [
     "wait_delivered",
     "wait_for_port",
     "wait_until",
+    "wait_until_async",
 ]
+
+
+async def wait_until_async(predicate: Callable[[], Any], timeout: float, what: str = "condition",
+                           interval: float = 0.005) -> Any:
+    """``wait_until`` for a test running on an event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 class TcpProxy:

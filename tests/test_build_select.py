@@ -52,5 +52,5 @@ def test_every_hot_module_maps_to_its_source_and_extension() -> None:
         source = _build._source(module)
         assert source == REPO.joinpath(*module.split(".")).with_suffix(".py") and source.exists(), module
         if compiled:
-            ext = _build._extension(module)
+            ext = _build.extension(module)
             assert ext is not None and ext.parent == source.parent and ext.name.startswith(source.stem + "."), module

@@ -24,7 +24,7 @@ import pytest
 import uvloop
 
 from broker import _build, netio
-from tests.helpers import ServerProcess, broker_process, wait_until
+from tests.helpers import ServerProcess, broker_process, wait_until, wait_until_async
 
 TIMEOUT = 10.0
 
@@ -73,17 +73,6 @@ class Recorder(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.events.append("resume")
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -150,7 +139,7 @@ def test_commands_from_many_connections_are_answered_in_order() -> None:
         assert [p.events for p in protos] == [["made"]] * 20
         for sock in socks:
             sock.close()
-        await until(lambda: all(p.lost for p in protos), "connection_lost on every connection")
+        await wait_until_async(lambda: all(p.lost for p in protos), TIMEOUT, "connection_lost on every connection")
         assert all(p.lost == [None] for p in protos)  # exactly once each, no error for a clean close
         server.close()
         await server.wait_closed()
@@ -176,10 +165,10 @@ def test_close_delivers_everything_buffered_with_flow_control_then_eof() -> None
         server, port = await serve(protos, lambda: Recorder(answer))
         sock = await client(port, rcvbuf=4096)
         await asyncio.get_running_loop().sock_sendall(sock, b"go")
-        await until(lambda: protos and "pause" in protos[0].events, "pause_writing")
+        await wait_until_async(lambda: protos and "pause" in protos[0].events, TIMEOUT, "pause_writing")
         got = await recv_until_eof(sock)
         assert got == payload
-        await until(lambda: protos[0].lost, "connection_lost")
+        await wait_until_async(lambda: protos[0].lost, TIMEOUT, "connection_lost")
         assert protos[0].events == ["made", "pause", "resume", "lost"]
         assert protos[0].lost == [None]
         sock.close()
@@ -202,7 +191,7 @@ def test_abort_drops_the_buffer_and_loses_the_connection_once() -> None:
         server, port = await serve(protos, lambda: Recorder(answer))
         sock = await client(port, rcvbuf=4096)
         await asyncio.get_running_loop().sock_sendall(sock, b"go")
-        await until(lambda: protos and protos[0].lost, "connection_lost")
+        await wait_until_async(lambda: protos and protos[0].lost, TIMEOUT, "connection_lost")
         got = len(await recv_until_eof(sock))
         assert got < len(payload)
         assert protos[0].lost == [None]
@@ -221,7 +210,7 @@ def test_a_client_half_close_keeps_the_connection_writable_only_if_the_protocol_
         sock = await client(port)
         await asyncio.get_running_loop().sock_sendall(sock, b"last words")
         sock.shutdown(socket.SHUT_WR)
-        await until(lambda: protos and "eof" in protos[0].events, "eof_received")
+        await wait_until_async(lambda: protos and "eof" in protos[0].events, TIMEOUT, "eof_received")
         assert bytes(protos[0].data) == b"last words"
         if keep_open:
             assert not protos[0].transport.is_reading()
@@ -230,7 +219,7 @@ def test_a_client_half_close_keeps_the_connection_writable_only_if_the_protocol_
             assert await recv_until_eof(sock) == b"reply after eof"
         else:
             assert await recv_until_eof(sock) == b""
-        await until(lambda: protos[0].lost, "connection_lost")
+        await wait_until_async(lambda: protos[0].lost, TIMEOUT, "connection_lost")
         assert protos[0].events == ["made", "eof", "lost"]
         sock.close()
         server.close()
@@ -244,10 +233,10 @@ def test_pause_reading_holds_input_until_resumed() -> None:
         server, port = await serve(protos)
         sock = await client(port)
         loop = asyncio.get_running_loop()
-        await until(lambda: protos and protos[0].transport, "accept")
+        await wait_until_async(lambda: protos and protos[0].transport, TIMEOUT, "accept")
         proto = protos[0]
         await loop.sock_sendall(sock, b"one")
-        await until(lambda: proto.data == b"one", "first input")
+        await wait_until_async(lambda: proto.data == b"one", TIMEOUT, "first input")
         proto.transport.pause_reading()
         assert not proto.transport.is_reading()
         await loop.sock_sendall(sock, b"two")
@@ -257,10 +246,10 @@ def test_pause_reading_holds_input_until_resumed() -> None:
             await asyncio.sleep(0.01)
             assert proto.data == b"one" and "eof" not in proto.events
         proto.transport.resume_reading()
-        await until(lambda: "eof" in proto.events, "eof after resume")
+        await wait_until_async(lambda: "eof" in proto.events, TIMEOUT, "eof after resume")
         assert proto.data == b"onetwo"
         proto.transport.close()
-        await until(lambda: proto.lost, "connection_lost")
+        await wait_until_async(lambda: proto.lost, TIMEOUT, "connection_lost")
         sock.close()
         server.close()
 
@@ -280,10 +269,10 @@ def test_an_exception_in_data_received_is_reported_and_aborts_that_connection_on
         protos: list[Recorder] = []
         server, port = await serve(protos, lambda: Recorder(explode))
         bad, good = await client(port), await client(port)
-        await until(lambda: len(protos) == 2 and protos[1].transport, "two connections")
+        await wait_until_async(lambda: len(protos) == 2 and protos[1].transport, TIMEOUT, "two connections")
         await loop.sock_sendall(bad, b"boom")
         assert await recv_until_eof(bad) == b""
-        await until(lambda: protos[0].lost, "connection_lost")
+        await wait_until_async(lambda: protos[0].lost, TIMEOUT, "connection_lost")
         assert len(reported) == 1
         assert "data_received" in reported[0]["message"]
         assert isinstance(reported[0]["exception"], RuntimeError)
@@ -302,16 +291,16 @@ def test_a_reset_peer_loses_the_connection_with_its_error() -> None:
         protos: list[Recorder] = []
         server, port = await serve(protos)
         sock = await client(port)
-        await until(lambda: protos and protos[0].transport, "accept")
+        await wait_until_async(lambda: protos and protos[0].transport, TIMEOUT, "accept")
         proto = protos[0]
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         sock.close()  # RST
-        await until(lambda: proto.lost or "eof" in proto.events, "the reset seen")
+        await wait_until_async(lambda: proto.lost or "eof" in proto.events, TIMEOUT, "the reset seen")
         if not proto.lost:  # seen as EOF first: a write then meets the reset
             for _ in range(3):
                 proto.transport.write(b"x" * 1000)
                 await asyncio.sleep(0.01)
-        await until(lambda: proto.lost, "connection_lost")
+        await wait_until_async(lambda: proto.lost, TIMEOUT, "connection_lost")
         assert proto.lost[0] is None or isinstance(proto.lost[0], OSError)
         assert len(proto.lost) == 1
         server.close()
@@ -324,7 +313,7 @@ def test_transport_details_and_argument_checks() -> None:
         protos: list[Recorder] = []
         server, port = await serve(protos)
         sock = await client(port)
-        await until(lambda: protos and protos[0].transport, "accept")
+        await wait_until_async(lambda: protos and protos[0].transport, TIMEOUT, "accept")
         t = protos[0].transport
         assert t.get_extra_info("peername") == sock.getsockname()
         assert t.get_extra_info("sockname") == ("127.0.0.1", port)
@@ -346,7 +335,7 @@ def test_transport_details_and_argument_checks() -> None:
         assert await recv_exactly(sock, 6) == b"abcdef"
         t.close()
         assert t.is_closing()
-        await until(lambda: protos[0].lost, "connection_lost")
+        await wait_until_async(lambda: protos[0].lost, TIMEOUT, "connection_lost")
         sock.close()
         server.close()
         await server.wait_closed()

@@ -142,7 +142,7 @@ class Applier:
         self._apply_record(m.payload, off)
         self.pos = Position(m.epoch, m.seq)
         self.leader_head = max(self.leader_head, m.seq)
-        self.tail.append(wire.StreamRecord(m.seq, m.wall_ns, m.payload))
+        self.tail.append(wire.new_tail_record(m.seq, m.wall_ns, m.payload))
         self.tail_bytes += len(m.payload)
         while self.tail_bytes > self.tail_limit:
             self.tail_bytes -= len(self.tail.popleft().record)

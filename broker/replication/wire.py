@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from broker import binlog_format as fmt
 
@@ -48,6 +48,11 @@ KINDS = frozenset((M_RECORD, M_SNAPSHOT_BEGIN, M_SNAPSHOT_END, M_HEARTBEAT, M_NE
 MAX_MESSAGE = 1 << 31
 K_PAUSE = 100  # a stream-only record kind, beyond the binlog's (binlog_format.K_*)
 PAUSE = struct.Struct("<BQq")
+
+
+# Records are built with tuple.__new__: a NamedTuple's own constructor is a Python-level function,
+# an interpreted call per message even in the compiled build (see broker.protocol).
+_new: Final = tuple.__new__
 
 
 class StreamError(Exception):
@@ -68,6 +73,10 @@ class StreamRecord(NamedTuple):
     seq: int
     wall_ns: int
     record: bytes
+
+
+def new_tail_record(seq: int, wall_ns: int, record: bytes) -> StreamRecord:
+    return _new(StreamRecord, (seq, wall_ns, record))
 
 
 class JobFields(NamedTuple):
@@ -118,7 +127,7 @@ def split_messages(buf: bytearray) -> list[Message]:
         if len(buf) - pos - size < length:
             break
         start = pos + size
-        out.append(Message(kind, epoch, seq, wall, bytes(buf[start:start + length])))
+        out.append(_new(Message, (kind, epoch, seq, wall, bytes(buf[start:start + length]))))
         pos = start + length
     del buf[:pos]
     return out
@@ -143,14 +152,14 @@ def decode_record(record: bytes) -> JobFields | UpdateFields | PauseFields | int
         f = fmt.JOB.unpack_from(payload, 0)
         tube_end = fmt.JOB_SIZE + f[13]
         tube = payload[fmt.JOB_SIZE:tube_end].decode("latin-1")
-        return JobFields(f[1], f[2], f[3], f[4], f[5], f[6], f[7], (f[8], f[9], f[10], f[11], f[12]), tube,
-                         payload[tube_end:])
+        return _new(JobFields, (f[1], f[2], f[3], f[4], f[5], f[6], f[7], (f[8], f[9], f[10], f[11], f[12]), tube,
+                                payload[tube_end:]))
     if kind == fmt.K_UPDATE and len(payload) == fmt.UPDATE_SIZE:
         u = fmt.UPDATE.unpack_from(payload, 0)
-        return UpdateFields(u[1], u[2], u[3], u[4], u[5], (u[6], u[7], u[8], u[9], u[10]))
+        return _new(UpdateFields, (u[1], u[2], u[3], u[4], u[5], (u[6], u[7], u[8], u[9], u[10])))
     if kind == fmt.K_DELETE and len(payload) == fmt.DELETE_SIZE:
         return int(fmt.DELETE.unpack_from(payload, 0)[1])
     if kind == K_PAUSE and len(payload) > PAUSE.size:
         _, pause, until = PAUSE.unpack_from(payload, 0)
-        return PauseFields(payload[PAUSE.size:].decode("latin-1"), pause, until)
+        return _new(PauseFields, (payload[PAUSE.size:].decode("latin-1"), pause, until))
     raise StreamError(f"unknown record kind {kind} or wrong length")

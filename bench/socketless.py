@@ -65,9 +65,9 @@ def make_ours():
     tune_gc()  # as run_server does: millions of long-lived jobs must not be re-scanned
     server = BrokerServer(ServerConfig())
     server._loop = asyncio.get_running_loop()  # reserves set the loop timer: run inside a loop
-    from broker.server import BrokerConnection
+    from broker.server import connection_class
 
-    conn = BrokerConnection(server.state)
+    conn = connection_class()(server.state)
     conn.connection_made(Sink())
     conn.data_received(b"use bench\r\n")
     conn.data_received(b"watch bench\r\n")

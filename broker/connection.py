@@ -216,6 +216,10 @@ class BrokerConnection(asyncio.Protocol):
                 poll.fresh = True
             else:
                 poll.note_input()
+        self.handle_input(data)
+
+    def handle_input(self, data: bytes) -> None:
+        """A packet whose arrival was noted (idle sweep, busy poll): decode it, run its commands."""
         if self.authed and not self.client.waiting:
             # The fast path: one command decoded straight from its packet.
             cmd = self.decoder.parse_packet(data)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from broker import logs, netio
+from broker import _build, logs, netio
 from broker.busypoll import BusyPoll
 from broker.connection import BrokerConnection
 from broker.queue import Queue, QueueListener
@@ -28,7 +28,8 @@ from broker.state import LoopTimer, ServerConfig, ServerState
 if TYPE_CHECKING:
     from broker.metrics import Collector
 
-__all__ = ["BrokerServer", "ServerConfig", "clear_unix_path", "install_uvloop", "run_server", "tune_gc"]
+__all__ = ["BrokerServer", "ServerConfig", "clear_unix_path", "connection_class", "install_uvloop", "run_server",
+           "tune_gc"]
 
 log = logging.getLogger("broker")
 
@@ -108,8 +109,10 @@ class BrokerServer:
             # real time, not the queue's clock: a test's frozen clock would keep a poll on for good
             state.busy_poll = BusyPoll(config.busy_poll_us, loop, time.monotonic_ns)
 
+        protocol = connection_class()
+
         def factory() -> BrokerConnection:
-            return BrokerConnection(state)
+            return protocol(state)
 
         if listen.startswith("unix:"):
             path = listen[5:]
@@ -229,6 +232,20 @@ def install_uvloop() -> bool:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
+
+
+LANE_ENV = "SPARK_BEANSTALK_LANE"
+
+
+def connection_class() -> type[BrokerConnection]:
+    """The interpreted core serves a worker's plain commands in one frame (:mod:`broker.lane`);
+    compiled, calls are cheap and the general path serves everything. ``SPARK_BEANSTALK_LANE=0``
+    turns the lane off (benchmarks compare the two)."""
+    if _build.core_name() == "compiled" or not _build.env_flag(LANE_ENV, True):
+        return BrokerConnection
+    from broker.lane import LaneConnection  # imported only here: it subclasses the interpreted class
+
+    return LaneConnection
 
 
 def tune_gc() -> None:

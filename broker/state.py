@@ -105,6 +105,8 @@ class ServerState:
         "connections",
         "descriptor_cap",
         "group_commit",
+        "lane_puts",
+        "lane_reserves",
         "line_cache",
         "loop",
         "queue",
@@ -121,6 +123,9 @@ class ServerState:
         self.timer = timer
         self.connections: set[BrokerConnection] = set()
         self.line_cache: p.LineCache = {}
+        # broker.lane: put lines it may serve -> (priority, TTR as the job holds them, body size)
+        self.lane_puts: dict[bytes, tuple[int, int, int]] = {}
+        self.lane_reserves: dict[bytes, bool] = {}  # reserve packets it may serve -> reserve-with-timeout?
         self.descriptor_cap = descriptor_cap  # connections beyond this are refused (EMFILE ahead)
         self.sync_point = sync_point  # None: nothing to do before replies leave
         self.group_commit = group_commit

@@ -24,7 +24,7 @@ from typing import Any
 
 from broker.connection import BrokerConnection
 from broker.limits import Limits
-from broker.server import BrokerServer, ServerConfig
+from broker.server import BrokerServer, ServerConfig, connection_class
 from spark_beanstalk.embedded import (
     ServerExitedEarly,
     ServerProcess,
@@ -594,7 +594,8 @@ def make_server(limits: Limits | None = None) -> BrokerServer:
 
 
 def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
-    conn = BrokerConnection(server.state)
+    """A connection of the class the server makes (interpreted: the lane's, broker/lane.py)."""
+    conn = connection_class()(server.state)
     transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     return conn, transport

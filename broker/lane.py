@@ -1,0 +1,319 @@
+"""The interpreted build's lane: a worker's plain commands served in one Python frame.
+
+Why: interpreted, every Python call costs ~430 instructions before it does anything, and the
+general path of a depth-1 command walks 9-13 of them (``data_received`` -> ``parse_packet`` ->
+``_execute`` -> ``Queue.put`` -> ``new_job``, ``JobTable.put``, ``_enqueue``, ``push_ready``; a
+reserve goes through ``ready_top``, ``drop_ready_top``, ``_remove_ready``, ``_reserve``...). That
+was most of the gap to the Python floor (bench/README.md, "The interpreted lane").
+:class:`LaneConnection` answers the four commands a request/response worker sends most, when
+each is in its plainest form, without any of those calls (and falls back to :meth:`BrokerConnection.handle_input`):
+
+* ``put`` of a cached put line with no delay, its whole body and CRLF in the packet;
+* ``reserve`` and ``reserve-with-timeout N`` by a client under its reserve cap, while no tube that
+  clients wait on has a ready job, and no watched tube with ready jobs is paused or has a stale
+  entry on top (tubes with waiting clients have no ready jobs then, and are skipped);
+* ``delete`` of a job the client holds.
+
+Everything else, and every case with a condition above unmet, goes to
+:meth:`BrokerConnection.data_received` before anything changed: the lane is the same
+state change as the general path, written flat, never a different rule. Each branch says
+which general-path function it mirrors; ``tests/test_lane.py`` runs random command streams
+through both and compares every reply, the queue's stats and every job, and the differential
+suite runs against the interpreted broker (the lane) in CI. Compiled, the calls are cheap C
+calls: the compiled build keeps the general path (``server.connection_class``).
+"""
+from __future__ import annotations
+
+from heapq import heappop, heappush
+from typing import Final
+
+from broker import protocol as p
+from broker.connection import BrokerConnection
+from broker.jobtable import PAGE_BITS, PAGE_MASK, SPARSE_LIVE
+from broker.model import INVALID, NS, READY, RESERVED, URGENT_THRESHOLD, Job, shared_int
+from broker.queue import CREATED_GRAIN
+
+_object_new: Final = object.__new__
+
+
+class LaneConnection(BrokerConnection):
+    """A :class:`BrokerConnection` whose ``data_received`` serves the lane's commands itself."""
+
+    __slots__ = ()
+
+    def data_received(self, data: bytes) -> None:  # noqa: C901 - one frame is the point (see the module)
+        if self.closing:
+            return
+        self.activity = True
+        poll = self.poll
+        if poll is not None:  # BusyPoll.note_input, as BrokerConnection.data_received
+            if poll.spinning:
+                poll.fresh = True
+            else:
+                poll.note_input()
+        client = self.client
+        decoder = self.decoder
+        queue = self.queue
+        # A binlog (a replicated member has one too) brings group commit and the sync point: the general path.
+        # (self.out is empty here: every path of the general one writes out what it gathered before it returns)
+        if (client.waiting or not self.authed or decoder.pos != len(decoder.buf) or decoder.mode
+                or queue.listening or self.state.write_gate is not None):
+            self.handle_input(data)
+            return
+        first = data[0]
+        if first == 112:  # "p": put (Decoder.parse_packet + Queue.put + _enqueue + JobTable.put)
+            end = data.find(b"\r")
+            line = data[:end]
+            prepared = self.state.lane_puts.get(line)
+            if prepared is None or end <= 0:
+                self.handle_input(data)
+                self._prepare_put(line)
+                return
+            pri, ttr, size = prepared
+            job_id = queue.next_id
+            tube = client.use
+            if (len(data) != end + size + 4 or data[end + 1] != 10 or data[-2] != 13 or data[-1] != 10
+                    or queue.draining or queue.puts_capped or not client.producer or job_id >> tube.ready_shift):
+                self.handle_input(data)
+                return
+            queue.cmd_put += 1
+            queue.next_id = job_id + 1
+            now = queue.clock()
+            created = queue.recent_now
+            if now - created >= CREATED_GRAIN or now < created:
+                created = queue.recent_now = now
+            body = data[end + 2:-2]
+            job: Job = _object_new(Job)  # model.new_job, every slot
+            job.id = job_id
+            job.tube = tube
+            job.pri = pri
+            job.ttr = ttr
+            job.body = body
+            job.state = READY
+            job.created = created
+            job.deadline = 0
+            job.reserver = None
+            job.reserves = 0
+            job.rare = None
+            job.file = 0
+            tube.refs += 1
+            jobs = queue.jobs  # JobTable.put: a new id in an existing page without lazy jobs
+            index = (job_id >> PAGE_BITS) - jobs.base
+            pages = jobs.pages
+            page = pages[index] if 0 <= index < len(pages) else None
+            if page is not None and page.lazy is None:
+                page.slots[job_id & PAGE_MASK] = job
+                page.live += 1
+                jobs.paged += 1
+            else:
+                jobs.put(job_id, job)
+            queue.held_bytes += size
+            queue.total_jobs += 1
+            tube.total_jobs += 1
+            entry = (pri << tube.ready_shift) | job_id  # Tube.push_ready
+            run = tube.ready_run
+            if not run or entry > run[-1]:
+                run.append(entry)
+            else:
+                heappush(tube.ready, entry)
+            tube.ready_count += 1
+            if pri < URGENT_THRESHOLD:
+                tube.urgent_count += 1
+            reply = b"INSERTED %d\r\n" % job_id
+            if queue.waiting_ct:
+                queue._process_queue(now)  # may reserve for a waiting client: its TTR goes on the timer heap
+                self.transport.write(reply)
+                self._after_write()
+                return
+            self.transport.write(reply)
+            if self.flow.write_paused:
+                self._check_output()
+            return
+        elif first == 100:  # "d": delete of a job this client holds (Queue.delete + _unreserve)
+            if len(data) < 10 or data[-2] != 13 or data[-1] != 10 or not data.startswith(b"delete "):
+                self.handle_input(data)
+                return
+            digits = data[7:-2]
+            if not digits.isdigit() or len(digits) > 18:  # a plain number below 2**63 (protocol.plain_number)
+                self.handle_input(data)
+                return
+            job_id = int(digits)
+            reserved = client.reserved
+            held = reserved.get(job_id)
+            if held is None:
+                self.handle_input(data)
+                return
+            queue.cmd_delete += 1
+            del reserved[job_id]
+            held.reserver = None
+            tube = held.tube
+            tube.reserved_count -= 1
+            if not reserved:
+                client.deadlines.clear()  # every entry left is stale
+            else:
+                client.prune_deadlines()
+            tube.total_deletes += 1
+            held.state = INVALID
+            jobs = queue.jobs  # JobTable.pop, when its page stays (not sparse, or the newest) and has no lazy jobs
+            index = (job_id >> PAGE_BITS) - jobs.base
+            pages = jobs.pages
+            page = pages[index] if 0 <= index < len(pages) else None
+            if (page is not None and page.lazy is None and page.slots[job_id & PAGE_MASK] is held
+                    and (page.live > SPARSE_LIVE or index == len(pages) - 1)):
+                page.slots[job_id & PAGE_MASK] = None
+                page.live -= 1
+                jobs.paged -= 1
+            else:
+                jobs.pop(job_id)
+            queue.held_bytes -= len(held.body)
+            if tube.refs > 1:  # Queue._unref, when the tube stays
+                tube.refs -= 1
+            else:
+                queue._unref(tube)
+            self.transport.write(p.DELETED)
+            if self.flow.write_paused:
+                self._check_output()
+            return
+        elif first == 114:  # "r": reserve (Queue.reserve + _fast_reserve + Tube.ready_top + _reserve)
+            timed = self.state.lane_reserves.get(data)
+            if timed is None:
+                self.handle_input(data)
+                self._prepare_reserve(data)
+                return
+            if not client.worker:
+                self.handle_input(data)
+                return
+            now = queue.clock()
+            if client.reserved:
+                # Queue.reserve's checks for a client holding jobs: its reserve cap, and DEADLINE_SOON, which
+                # is answered only when no watched tube has a ready job (then the lane falls back below); its
+                # look at the soonest deadline drops stale entries, so the lane needs a live one on top.
+                deadlines = client.deadlines
+                cap = queue.reserve_cap
+                if (not deadlines or (cap and len(client.reserved) >= cap) or deadlines[0][2].reserver is not client
+                        or deadlines[0][2].state != RESERVED or deadlines[0][2].deadline != deadlines[0][0]):
+                    self.handle_input(data)
+                    return
+            if queue.waiting_ct:  # as _fast_reserve: a waiting client may be owed a ready job first
+                for waited in queue.waited_tubes:
+                    if waited.ready_count:
+                        self.handle_input(data)
+                        return
+            jobs = queue.jobs
+            pages = jobs.pages
+            best: Job | None = None  # the least (pri, id) among the watched tubes' tops, as _fast_reserve
+            in_run = False
+            for candidate in client.watch.items:
+                if not candidate.ready_count:
+                    continue
+                if candidate.pause:
+                    self.handle_input(data)
+                    return
+                heap = candidate.ready  # Tube.ready_top, when its top entry is live
+                run = candidate.ready_run
+                at = candidate.ready_run_at
+                top_in_run = at < len(run) and (not heap or run[at] < heap[0])
+                entry = run[at] if top_in_run else heap[0] if heap else -1
+                candidate.top_in_run = top_in_run
+                top_id = entry & candidate.ready_mask
+                index = (top_id >> PAGE_BITS) - jobs.base  # JobTable.get, of a page without lazy jobs
+                page = pages[index] if entry >= 0 and 0 <= index < len(pages) else None
+                top = page.slots[top_id & PAGE_MASK] if page is not None and page.lazy is None else None
+                if (top is None or top.state != READY or top.tube is not candidate
+                        or top.pri != entry >> candidate.ready_shift):
+                    self.handle_input(data)  # a stale entry on top: the general path drops it
+                    return
+                if best is None or top.pri < best.pri or (top.pri == best.pri and top.id < best.id):
+                    best = top
+                    in_run = top_in_run
+            if best is None:
+                self.handle_input(data)
+                return
+            job = best
+            tube = job.tube
+            heap = tube.ready
+            run = tube.ready_run
+            at = tube.ready_run_at
+            if timed:
+                queue.cmd_reserve_timeout += 1
+            else:
+                queue.cmd_reserve += 1
+            tube.waiting.last_use = 1
+            if in_run:  # Tube.drop_ready_top
+                at += 1
+                if at == len(run):
+                    run.clear()
+                    at = 0
+                elif at >= 1024 and 2 * at >= len(run):
+                    del run[:at]
+                    at = 0
+                tube.ready_run_at = at
+            else:
+                heappop(heap)
+            ready_count = tube.ready_count - 1  # Queue._remove_ready
+            tube.ready_count = ready_count
+            if job.pri < URGENT_THRESHOLD:
+                tube.urgent_count -= 1
+            if len(tube.ready) + len(tube.ready_run) - tube.ready_run_at > 2 * ready_count + 64:
+                tube.prune_ready()
+            job.state = RESERVED  # Queue._reserve
+            job.reserver = client
+            job.reserves += 1
+            job.deadline = deadline = now + job.ttr * NS
+            client.reserved[job.id] = job
+            heappush(client.deadlines, (deadline, job.id, job))
+            tube.reserved_count += 1
+            client.pending_timeout = -1
+            armed = client.ttr_armed
+            if not armed or deadline < armed:
+                queue.arm_ttr(client, deadline)
+            body = job.body
+            reply = b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(body), body)
+        else:
+            self.handle_input(data)
+            return
+        self.transport.write(reply)
+        if self.flow.write_paused:
+            self._check_output()
+        timer = self.timer
+        if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check: the reserve's TTR is on the timer heap
+            timer.reschedule()
+
+    def _after_write(self) -> None:
+        """What the general path does after a reply that may have pushed a deadline: back-pressure, the loop timer."""
+        if self.flow.write_paused:
+            self._check_output()
+        timer = self.timer
+        if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check
+            timer.reschedule()
+
+    def _prepare_reserve(self, data: bytes) -> None:
+        """After the general path served a packet starting with "r": keep it if it is one reserve command in
+        canonical form (its line in the line cache), with whether it counts as reserve-with-timeout."""
+        if len(data) < 9 or data[-2:] != b"\r\n" or data.find(b"\r") != len(data) - 2:
+            return
+        cmd = self.decoder.line_cache.get(data[:-2])
+        if cmd is None or cmd[0] not in ("reserve", "reserve-with-timeout"):
+            return
+        packets = self.state.lane_reserves
+        if len(packets) >= p.LINE_CACHE_SIZE:
+            packets.clear()
+        packets[data] = cmd[0] == "reserve-with-timeout"
+
+    def _prepare_put(self, line: bytes) -> None:
+        """After the general path served a put line: keep what the lane needs of it, if it may serve it.
+
+        Only a line in the decoders' line cache (well-formed, parsed once) with no delay and a size within
+        the limit; its priority and TTR as the job will hold them (the queue's shared ints, TTR 0 as 1)."""
+        cmd = self.decoder.line_cache.get(line)
+        if cmd is None or cmd[0] != "put":
+            return
+        _, pri, delay, ttr, size = cmd  # type: ignore[misc]  # a PutLine, as a plain tuple
+        if delay or size > self.decoder.max_job_size:
+            return
+        pool = self.queue.int_pool
+        lines = self.state.lane_puts
+        if len(lines) >= p.LINE_CACHE_SIZE:
+            lines.clear()
+        lines[line] = (shared_int(pool, pri) if pri > 256 else pri, (shared_int(pool, ttr) if ttr > 256 else ttr) or 1,
+                       size)

@@ -1,0 +1,350 @@
+"""The interpreted lane (broker/lane.py) is the general path written flat, never another rule.
+
+Random streams of commands from three clients go to two in-process brokers over fake
+transports: one whose connections are the general :class:`BrokerConnection`, one whose are the
+lane's :class:`LaneConnection`. Every reply must be the same bytes, and afterwards every job,
+tube and counter the same. The lane subclasses the interpreted connection class, so these run
+on the interpreted core; in the compiled pass the module runs itself again under
+``SPARK_BEANSTALK_PURE=1`` (one test, which fails if any of them fails there).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker import _build, queue_timers
+from broker import connection as connection_module
+from broker.connection import BrokerConnection
+from broker.server import BrokerServer, ServerConfig, connection_class
+from tests.helpers import FakeTransport
+
+INTERPRETED = not _build.is_compiled_file(str(connection_module.__file__))
+
+if not INTERPRETED:
+
+    def test_the_lane_suite_passes_on_the_interpreted_core() -> None:
+        env = dict(os.environ, SPARK_BEANSTALK_PURE="1")
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                               __file__], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+else:
+    from broker.lane import LaneConnection
+
+    class Clock:
+        """The queue's clock, moved by the script only: both brokers see the same times."""
+
+        def __init__(self) -> None:
+            self.now = 1_000_000_000_000
+
+        def __call__(self) -> int:
+            return self.now
+
+    class Pair:
+        """The same script against a general-path broker and a lane broker."""
+
+        def __init__(self, clients: int = 3) -> None:
+            self.clock = Clock()
+            self.sides: list[tuple[BrokerServer, list[tuple[BrokerConnection, FakeTransport]]]] = []
+            for cls in (BrokerConnection, LaneConnection):
+                server = BrokerServer(ServerConfig(busy_poll_us=0), clock=self.clock)
+                conns = []
+                for _ in range(clients):
+                    conn = cls(server.state)
+                    transport = FakeTransport()
+                    conn.connection_made(transport)  # type: ignore[arg-type]
+                    conns.append((conn, transport))
+                self.sides.append((server, conns))
+
+        def send(self, client: int, packet: bytes) -> None:
+            replies = []
+            for _, conns in self.sides:
+                conn, transport = conns[client]
+                conn.data_received(packet)
+                replies.append(transport.take())
+            general, lane = replies
+            assert general == lane, f"client {client} sent {packet!r}: general {general!r}, lane {lane!r}"
+
+        def state(self, index: int) -> dict[str, Any]:
+            server, conns = self.sides[index]
+            queue = server.queue
+            who = {id(conn.client): n for n, (conn, _) in enumerate(conns)}
+            jobs = {}
+            for job_id in range(1, queue.next_id):
+                job = queue.jobs.get(job_id)
+                if job is not None:
+                    jobs[job_id] = (job.tube.name, job.pri, job.ttr, job.body, job.state, job.created, job.deadline,
+                                    who.get(id(job.reserver)), job.reserves, job.rare, job.file)
+            tubes = {t.name: (t.ready_count, t.urgent_count, t.reserved_count, t.delayed_count, t.total_jobs,
+                              t.total_deletes, t.refs, list(t.buried), t.pause, t.unpause_at, t.using, t.watching,
+                              len(t.waiting.items), t.waiting.last_use, t.ready_entries(), t.ready_run_at)
+                     for t in queue.tubes.items}
+            counters = {name: getattr(queue, name) for name in (
+                "next_id", "held_bytes", "total_jobs", "cmd_put", "cmd_reserve", "cmd_reserve_timeout",
+                "cmd_delete", "waiting_ct", "producers", "workers")}
+            clients = [(sorted(conn.client.reserved), conn.client.waiting, conn.client.ttr_armed,
+                        sorted((d, i) for d, i, _ in conn.client.deadlines)) for conn, _ in conns]
+            return {"jobs": jobs, "tubes": tubes, "counters": counters, "ops": dict(queue.op_counts),
+                    "len": len(queue.jobs), "table": queue.jobs.footprint(), "clients": clients}
+
+        def check_state(self) -> None:
+            general, lane = self.state(0), self.state(1)
+            assert general == lane
+
+        def drain_order(self) -> None:
+            """What is left comes out in the same order from both (the ready heaps and runs agree)."""
+            for tube in ("default", "a", "b"):
+                self.send_fresh(b"watch %s\r\n" % tube.encode())
+            got: list[bytes] = []
+            while True:
+                replies = self.send_fresh(b"reserve-with-timeout 0\r\n")
+                if not replies.startswith(b"RESERVED"):
+                    break
+                got.append(replies)
+                self.send_fresh(b"delete %s\r\n" % replies.split()[1])
+                assert len(got) < 500
+
+        def send_fresh(self, packet: bytes) -> bytes:
+            """From one more client on each side (made on first use)."""
+            replies = []
+            for server, conns in self.sides:
+                if len(conns) == 3:
+                    cls = type(conns[0][0])
+                    conn = cls(server.state)
+                    transport = FakeTransport()
+                    conn.connection_made(transport)  # type: ignore[arg-type]
+                    conns.append((conn, transport))
+                conn, transport = conns[3]
+                conn.data_received(packet)
+                replies.append(transport.take())
+            assert replies[0] == replies[1], f"{packet!r}: {replies[0]!r} != {replies[1]!r}"
+            return replies[0]
+
+    def run(body: Callable[[], None]) -> None:
+        async def main() -> None:  # the loop timer needs a running loop
+            body()
+
+        asyncio.run(main())
+
+    # Small domains, so that put lines repeat (the lane serves a line once it is cached) and jobs of
+    # equal priority meet in different tubes (the tie-break of a reserve across tubes).
+    PRIS = (0, 1023, 1024, 1024, 5000, 4294967295)
+    TUBES = (b"default", b"a", b"b")
+    ODD = (b"delete 01\r\n", b"delete 1 \r\n", b"delete\r\n", b"delete 99999999999999999999\r\n", b"d", b"r", b"p",
+           b"delete 1\r", b"reserve\r\nreserve\r\n", b"reserve-with-timeout 1\r\n", b"reserve-with-timeout 00\r\n",
+           b"reserve-with-timeout  0\r\n", b"pause-tube a 1\r\n", b"pause-tube default 0\r\n", b"peek-ready\r\n",
+           b"kick 3\r\n", b"put 1024 0 120 5\r\nhel", b"lo\r\n", b"put 1024 0 120 2\r\nhixx")
+
+    def command(draw: Callable[[list[Any]], Any]) -> bytes:
+        """One packet, drawn by ``draw(options)`` (hypothesis or a seeded random.choice)."""
+        kind = draw(["put", "put", "put", "put", "reserve", "reserve", "rwt0", "delete", "delete", "delete",
+                     "release", "bury", "touch", "kick-job", "peek", "use", "watch", "ignore", "odd", "tick"])
+        job_id = draw(list(range(1, 13)))
+        if kind == "put":
+            body = draw([b"", b"x", b"hello"])
+            end = draw([b"\r\n"] * 6 + [b"xx", b"\r\nreserve-with-timeout 0\r\n"])
+            pri, delay, ttr = draw(PRIS), draw([0, 0, 0, 0, 1]), draw([0, 120, 120])
+            return b"put %d %d %d %d\r\n%s%s" % (pri, delay, ttr, len(body), body, end)
+        if kind == "reserve":
+            return b"reserve\r\n"
+        if kind == "rwt0":
+            return b"reserve-with-timeout 0\r\n"
+        if kind == "delete" and draw([True, True, False]):
+            return b"DELETE-HELD"  # a worker deleting what it reserved: the oldest job it holds, at play time
+        if kind in ("delete", "touch", "kick-job", "peek"):
+            return b"%s %d\r\n" % (kind.encode(), job_id)
+        if kind == "release":
+            return b"release %d %d %d\r\n" % (job_id, draw(PRIS), draw([0, 0, 1]))
+        if kind == "bury":
+            return b"bury %d %d\r\n" % (job_id, draw(PRIS))
+        if kind in ("use", "watch", "ignore"):
+            return b"%s %s\r\n" % (kind.encode(), draw(list(TUBES)))
+        if kind == "odd":
+            return bytes(draw(list(ODD)))
+        return b"TICK"  # the clock moves on 0.6 s: delays and pauses end, TTRs come due
+
+    def play(script: list[tuple[int, bytes]], lane_served: dict[bytes, int] | None = None) -> None:
+        """Run ``script`` on a Pair; count in ``lane_served`` the packets the lane answered itself."""
+        pair = Pair()
+        for client, packet in script:
+            if packet == b"TICK":
+                pair.clock.now += 600_000_000
+                for server, _ in pair.sides:
+                    queue_timers.tick(server.queue)
+                continue
+            if packet == b"DELETE-HELD":
+                held = sorted(pair.sides[0][1][client][0].client.reserved)
+                packet = b"delete %d\r\n" % (held[0] if held else 1)
+            if lane_served is not None:
+                lane_conn = pair.sides[1][1][client][0]
+                if not calls_during_named(lambda c=client, b=packet: pair.send(c, b), lane_conn, "handle_input"):
+                    lane_served[packet[:1]] = lane_served.get(packet[:1], 0) + 1
+            else:
+                pair.send(client, packet)
+        pair.check_state()
+        pair.drain_order()
+        pair.check_state()
+
+    def calls_during_named(action: Callable[[], None], conn: BrokerConnection, name: str) -> bool:
+        """Whether ``conn`` ran its method ``name`` during ``action``."""
+        seen = False
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal seen
+            if event == "call" and frame.f_code.co_name == name and frame.f_locals.get("self") is conn:
+                seen = True
+
+        sys.setprofile(profile)
+        try:
+            action()
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    @st.composite
+    def scripts(draw: st.DrawFn) -> list[tuple[int, bytes]]:
+        size = draw(st.integers(1, 80))
+
+        def pick(options: list[Any]) -> Any:
+            return draw(st.sampled_from(options))
+
+        return [(draw(st.integers(0, 2)), command(pick)) for _ in range(size)]
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(scripts())
+    def test_the_lane_answers_and_changes_state_as_the_general_path(script: list[tuple[int, bytes]]) -> None:
+        run(lambda: play(script))
+
+    def test_long_seeded_scripts_go_through_the_lane() -> None:
+        """Longer streams, and proof that they exercise the lane: it must have answered many puts,
+        reserves and deletes itself (a lane that fell back every time would pass the test above)."""
+        served: dict[bytes, int] = {}
+        for seed in range(12):
+            rng = random.Random(seed)
+            script = [(rng.randrange(3), command(rng.choice)) for _ in range(400)]
+            run(lambda script=script: play(script, served))  # type: ignore[misc]
+        assert served.get(b"p", 0) > 200 and served.get(b"r", 0) > 120 and served.get(b"d", 0) > 200, served
+
+    def calls_during(conn: BrokerConnection, packet: bytes) -> list[str]:
+        """The broker's Python functions a packet's handling called (beyond data_received itself)."""
+        seen: list[str] = []
+        package = os.path.dirname(str(connection_module.__file__))
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(package):
+                seen.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            conn.data_received(packet)
+        finally:
+            sys.setprofile(None)
+        return seen[1:] if seen and seen[0] == "data_received" else seen
+
+    def test_the_plain_commands_run_in_one_frame() -> None:
+        """The point of the lane: a worker's put, reserve and delete call no Python function of the
+        broker, where the general path walks 9-13 of them."""
+        def body() -> None:
+            server = BrokerServer(ServerConfig(busy_poll_us=0))
+            assert connection_class() is LaneConnection
+            conn = LaneConnection(server.state)
+            transport = FakeTransport()
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            # A client's first put and reserve, and each packet's first time, take the general path (it
+            # makes the client a producer and a worker, and parses the line the lane then keeps)
+            for packet in (b"put 1024 0 60 5\r\nhello\r\n", b"reserve\r\n", b"delete 1\r\n",
+                           b"put 1024 0 60 5\r\nhello\r\n", b"reserve-with-timeout 0\r\n", b"delete 2\r\n"):
+                conn.data_received(packet)
+            assert transport.take().endswith(b"DELETED\r\n")
+            for _ in range(3):
+                assert calls_during(conn, b"put 1024 0 60 5\r\nhello\r\n") == []
+                assert transport.take().startswith(b"INSERTED")
+                assert calls_during(conn, b"reserve\r\n") == []
+                reply = transport.take()
+                assert reply.startswith(b"RESERVED") and reply.endswith(b"hello\r\n")
+                assert calls_during(conn, b"delete %s\r\n" % reply.split()[1]) == []
+                assert transport.take() == b"DELETED\r\n"
+            conn.data_received(b"put 1024 0 60 5\r\nhello\r\n")
+            assert transport.take().startswith(b"INSERTED")
+            assert calls_during(conn, b"reserve-with-timeout 0\r\n") == []
+            assert transport.take().startswith(b"RESERVED")
+            general = BrokerConnection(server.state)
+            general.connection_made(FakeTransport())  # type: ignore[arg-type]
+            assert len(calls_during(general, b"put 1024 0 60 5\r\nhello\r\n")) >= 5
+
+        run(body)
+
+    def test_a_put_wakes_a_waiting_worker_through_the_lane() -> None:
+        """A put while a worker waits: the lane hands the job over as the general path does."""
+        def body() -> None:
+            pair = Pair()
+            pair.send(1, b"reserve\r\n")  # waits
+            pair.send(0, b"put 7 0 60 2\r\nhi\r\n")
+            for _, conns in pair.sides:
+                assert not conns[1][0].client.waiting
+            pair.check_state()
+
+        run(body)
+
+    def test_long_queues_compact_and_prune_as_the_general_path() -> None:
+        """What only long queues reach: the ready run's served prefix dropped (1,024 served), the
+        ready heap rebuilt once stale entries dominate, a worker's deadline heap pruned."""
+        def body() -> None:
+            pair = Pair()
+            pair.send(0, b"put 5 0 60 1\r\nx\r\n")  # the line is cached from here on
+            for _ in range(1099):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            for _ in range(1050):  # the run's prefix is dropped at 1,024 served
+                pair.send(1, b"reserve\r\n")
+                held = sorted(pair.sides[0][1][1][0].client.reserved)
+                pair.send(1, b"delete %d\r\n" % held[0])
+            pair.check_state()
+            # 50 ready left (1051-1100) plus 150 more: delete the newest 132 while ready, so that
+            # stale entries sit exactly at the threshold; the next reserve rebuilds the heap
+            for _ in range(150):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            for job_id in range(1250, 1118, -1):
+                pair.send(2, b"delete %d\r\n" % job_id)
+            pair.check_state()
+            pair.send(1, b"reserve\r\n")
+            pair.check_state()
+            for _ in range(100):  # a worker holding 120 jobs, then deleting them: its deadline heap is pruned
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            for _ in range(120):
+                pair.send(1, b"reserve\r\n")
+            for job_id in sorted(pair.sides[0][1][1][0].client.reserved):
+                pair.send(1, b"delete %d\r\n" % job_id)
+                pair.check_state()
+
+        run(body)
+
+    def test_a_reserve_waits_its_turn_behind_a_waiter_owed_a_job() -> None:
+        """A tube whose pause has run out (its timer not fired yet) holds a ready job and a waiting
+        client: the next reserve anywhere takes the general path, which serves that waiter first."""
+        def body() -> None:
+            pair = Pair()
+            pair.send(0, b"use a\r\nput 9 0 60 1\r\nx\r\nuse b\r\nput 9 0 60 1\r\ny\r\nuse b\r\n")
+            pair.send(1, b"watch a\r\nignore default\r\nreserve\r\n")  # worker of a
+            pair.send(1, b"delete 1\r\n")
+            pair.send(2, b"watch b\r\nignore default\r\nreserve\r\n")  # worker of b
+            pair.send(2, b"delete 2\r\n")
+            pair.send(0, b"pause-tube a 1\r\n")
+            pair.send(1, b"reserve\r\n")  # waits on a
+            pair.send(0, b"use a\r\nput 9 0 60 1\r\nx\r\nuse b\r\nput 9 0 60 1\r\ny\r\n")
+            pair.clock.now += 2_000_000_000  # the pause is over; its timer has not fired
+            pair.send(2, b"reserve\r\n")
+            for _, conns in pair.sides:
+                assert conns[1][1].take().startswith(b"RESERVED 3 "), "the waiter on a was not served first"
+            pair.check_state()
+
+        run(body)
+

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from broker import _build, queue_timers
 from broker import connection as connection_module
 from broker.connection import BrokerConnection
+from broker.limits import Limits
 from broker.server import BrokerServer, ServerConfig, connection_class
 from tests.helpers import FakeTransport
 
@@ -52,11 +53,11 @@ else:
     class Pair:
         """The same script against a general-path broker and a lane broker."""
 
-        def __init__(self, clients: int = 3) -> None:
+        def __init__(self, clients: int = 3, limits: Limits | None = None) -> None:
             self.clock = Clock()
             self.sides: list[tuple[BrokerServer, list[tuple[BrokerConnection, FakeTransport]]]] = []
             for cls in (BrokerConnection, LaneConnection):
-                server = BrokerServer(ServerConfig(busy_poll_us=0), clock=self.clock)
+                server = BrokerServer(ServerConfig(busy_poll_us=0, limits=limits or Limits()), clock=self.clock)
                 conns = []
                 for _ in range(clients):
                     conn = cls(server.state)
@@ -345,6 +346,23 @@ else:
             for _, conns in pair.sides:
                 assert conns[1][1].take().startswith(b"RESERVED 3 "), "the waiter on a was not served first"
             pair.check_state()
+
+        run(body)
+
+    def test_a_clients_first_put_and_a_capped_reserve_take_the_general_path() -> None:
+        """What the lane leaves to the general path even for a line it knows: a client's first put (it
+        becomes a producer: stats' current-producers) and a reserve past --max-reserved-per-connection."""
+        def body() -> None:
+            pair = Pair(limits=Limits(max_reserved_per_connection=2))
+            for _ in range(4):
+                pair.send(0, b"put 3 0 60 2\r\nhi\r\n")  # the line is known to the lane from the second put
+            pair.send(1, b"put 3 0 60 2\r\nhi\r\n")
+            pair.check_state()
+            assert pair.state(1)["counters"]["producers"] == 2
+            for _ in range(3):  # the third answers OUT_OF_MEMORY
+                pair.send(2, b"reserve-with-timeout 0\r\n")
+            pair.check_state()
+            assert len(pair.state(1)["clients"][2][0]) == 2
 
         run(body)
 

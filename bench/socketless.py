@@ -67,7 +67,7 @@ def make_ours():
     server._loop = asyncio.get_running_loop()  # reserves set the loop timer: run inside a loop
     from broker.server import connection_class
 
-    conn = connection_class()(server.state)
+    conn = connection_class(server.state)(server.state)
     conn.connection_made(Sink())
     conn.data_received(b"use bench\r\n")
     conn.data_received(b"watch bench\r\n")

@@ -14,6 +14,7 @@ each is in its plainest form, without any of those calls (and falls back to :met
   entry on top (tubes with waiting clients have no ready jobs then, and are skipped);
 * ``delete`` of a job the client holds.
 
+It serves on a broker without a binlog and without auth (``server.connection_class``).
 Everything else, and every case with a condition above unmet, goes to
 :meth:`BrokerConnection.data_received` before anything changed: the lane is the same
 state change as the general path, written flat, never a different rule. Each branch says
@@ -54,10 +55,10 @@ class LaneConnection(BrokerConnection):
         client = self.client
         decoder = self.decoder
         queue = self.queue
-        # A binlog (a replicated member has one too) brings group commit and the sync point: the general path.
-        # (self.out is empty here: every path of the general one writes out what it gathered before it returns)
-        if (client.waiting or not self.authed or decoder.pos != len(decoder.buf) or decoder.mode
-                or queue.listening or self.state.write_gate is not None):
+        # Only on a broker without a binlog and without auth (server.connection_class); the write gate is
+        # checked all the same (a replicated member has a binlog). self.out is empty here: every path of
+        # the general one writes out what it gathered before it returns.
+        if client.waiting or decoder.pos != len(decoder.buf) or decoder.mode or self.state.write_gate is not None:
             self.handle_input(data)
             return
         first = data[0]

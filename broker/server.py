@@ -109,7 +109,7 @@ class BrokerServer:
             # real time, not the queue's clock: a test's frozen clock would keep a poll on for good
             state.busy_poll = BusyPoll(config.busy_poll_us, loop, time.monotonic_ns)
 
-        protocol = connection_class()
+        protocol = connection_class(state)
 
         def factory() -> BrokerConnection:
             return protocol(state)
@@ -237,11 +237,13 @@ def install_uvloop() -> bool:
 LANE_ENV = "SPARK_BEANSTALK_LANE"
 
 
-def connection_class() -> type[BrokerConnection]:
-    """The interpreted core serves a worker's plain commands in one frame (:mod:`broker.lane`);
-    compiled, calls are cheap and the general path serves everything. ``SPARK_BEANSTALK_LANE=0``
-    turns the lane off (benchmarks compare the two)."""
-    if _build.core_name() == "compiled" or not _build.env_flag(LANE_ENV, True):
+def connection_class(state: ServerState) -> type[BrokerConnection]:
+    """The interpreted core serves a worker's plain commands in one frame (:mod:`broker.lane`) on a
+    broker without a binlog (so without group commit, a sync point or replication) and without auth,
+    all fixed when the server is made; compiled, calls are cheap and the general path serves
+    everything. ``SPARK_BEANSTALK_LANE=0`` turns the lane off (benchmarks compare the two)."""
+    if (_build.core_name() == "compiled" or not _build.env_flag(LANE_ENV, True) or state.queue.listening
+            or state.config.auth_token is not None):
         return BrokerConnection
     from broker.lane import LaneConnection  # imported only here: it subclasses the interpreted class
 

@@ -595,7 +595,7 @@ def make_server(limits: Limits | None = None) -> BrokerServer:
 
 def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
     """A connection of the class the server makes (interpreted: the lane's, broker/lane.py)."""
-    conn = connection_class()(server.state)
+    conn = connection_class(server.state)(server.state)
     transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     return conn, transport

@@ -24,6 +24,7 @@ from broker import _build, queue_timers
 from broker import connection as connection_module
 from broker.connection import BrokerConnection
 from broker.limits import Limits
+from broker.queue import QueueListener
 from broker.server import BrokerServer, ServerConfig, connection_class
 from tests.helpers import FakeTransport
 
@@ -256,7 +257,7 @@ else:
         broker, where the general path walks 9-13 of them."""
         def body() -> None:
             server = BrokerServer(ServerConfig(busy_poll_us=0))
-            assert connection_class() is LaneConnection
+            assert connection_class(server.state) is LaneConnection
             conn = LaneConnection(server.state)
             transport = FakeTransport()
             conn.connection_made(transport)  # type: ignore[arg-type]
@@ -365,4 +366,10 @@ else:
             assert len(pair.state(1)["clients"][2][0]) == 2
 
         run(body)
+
+    def test_a_broker_with_a_binlog_or_auth_keeps_the_general_path() -> None:
+        """The lane knows nothing of group commit, the sync point or auth: such brokers never use it."""
+        assert connection_class(BrokerServer(ServerConfig()).state) is LaneConnection
+        assert connection_class(BrokerServer(ServerConfig(auth_token=b"secret")).state) is BrokerConnection
+        assert connection_class(BrokerServer(ServerConfig(), QueueListener()).state) is BrokerConnection
 

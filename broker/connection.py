@@ -56,20 +56,26 @@ _COUNTED_AS.update({"put-header": "put", "too-big": "put", "reserve": "reserve",
 # reading once this much unprocessed input has piled up behind the reserve.
 MAX_BUFFER_WHILE_WAITING: Final = 1048576  # 1 MiB
 _FLUSH_BYTES: Final = 65536
+# Commands one call of _process serves before it lets the loop serve everyone else. A client pipelining
+# cheap commands faster than they run would otherwise hold the loop: uvloop (libuv) reads a ready socket
+# up to 32 times in one pass, each read handed to data_received, so 8 MiB of `use a` (over a million
+# commands) came in one turn, seconds of interpreted work. A multiple of 256 (the write-out interval).
+TURN_COMMANDS: Final = 4096
 
 
 class FlowControl:
     """Back-pressure of one connection, both ways.
 
-    Reading stops for three independent reasons: input piling up behind a blocked reserve
+    Reading stops for four independent reasons: input piling up behind a blocked reserve
     (``backlog_paused``), the client not reading its replies (``write_paused``, from
-    the transport's pause_writing), and the server shutting down (``stopped``, for good).
+    the transport's pause_writing), a client that sent more commands than one turn serves
+    (``turn_paused``, until the loop's next pass), and the server shutting down (``stopped``, for good).
     Reading resumes only when none holds. A client that
     stays paused past --slow-reader-timeout, or leaves more than --max-output-bytes unread,
     is to be closed (the connection decides how).
     """
 
-    __slots__ = ("backlog_paused", "limits", "stall_timer", "stopped", "transport", "write_paused")
+    __slots__ = ("backlog_paused", "limits", "stall_timer", "stopped", "transport", "turn_paused", "write_paused")
 
     def __init__(self, transport: asyncio.BaseTransport, limits: Limits) -> None:
         self.transport: Any = transport  # a Transport, or a test's stand-in with the same methods
@@ -77,25 +83,39 @@ class FlowControl:
         self.backlog_paused = False
         self.write_paused = False
         self.stopped = False
+        self.turn_paused = False
         self.stall_timer: asyncio.TimerHandle | None = None
 
     def stop(self) -> None:
         """Read nothing more from this client (the server is shutting down)."""
         if not self.stopped:
             self.stopped = True
-            if not self.backlog_paused and not self.write_paused:
+            if not self.backlog_paused and not self.write_paused and not self.turn_paused:
                 self.transport.pause_reading()
 
     def pause_for_backlog(self) -> None:
         if not self.backlog_paused:
             self.backlog_paused = True
-            if not self.write_paused and not self.stopped:
+            if not self.write_paused and not self.stopped and not self.turn_paused:
                 self.transport.pause_reading()
 
     def end_backlog(self) -> None:
         if self.backlog_paused:
             self.backlog_paused = False
-            if not self.write_paused and not self.stopped:
+            if not self.write_paused and not self.stopped and not self.turn_paused:
+                self.transport.resume_reading()
+
+    def pause_for_turn(self) -> None:
+        """This client's commands took their turn: read no more until the loop has served the others."""
+        if not self.turn_paused:
+            self.turn_paused = True
+            if not self.backlog_paused and not self.write_paused and not self.stopped:
+                self.transport.pause_reading()
+
+    def end_turn(self) -> None:
+        if self.turn_paused:
+            self.turn_paused = False
+            if not self.backlog_paused and not self.write_paused and not self.stopped:
                 self.transport.resume_reading()
 
     def pause_writing(self, on_stall: Callable[[], None]) -> None:
@@ -105,7 +125,7 @@ class FlowControl:
         event, so one timer handle per stalled connection).
         """
         self.write_paused = True
-        if not self.backlog_paused and not self.stopped:
+        if not self.backlog_paused and not self.stopped and not self.turn_paused:
             self.transport.pause_reading()
         timeout = self.limits.slow_reader_timeout
         if timeout > 0 and self.stall_timer is None:
@@ -118,7 +138,7 @@ class FlowControl:
         self.write_paused = False
         if self.backlog_paused or closing:
             return False
-        if not self.stopped:
+        if not self.stopped and not self.turn_paused:
             self.transport.resume_reading()
         return True
 
@@ -317,6 +337,11 @@ class BrokerConnection(asyncio.Protocol):
                     self._flush()
                     if flow.write_paused or self.closing:
                         break
+                    if handled >= TURN_COMMANDS and not self.eof and decoder.buffered():
+                        # (after EOF nothing more is read: the rest is served now, then the connection closes)
+                        flow.pause_for_turn()
+                        asyncio.get_running_loop().call_soon(self._next_turn)
+                        break
                 if client.waiting:
                     if not self.eof:
                         break
@@ -506,6 +531,11 @@ class BrokerConnection(asyncio.Protocol):
             self._flush()
             if self.decoder.buffered() or self.eof:
                 asyncio.get_running_loop().call_soon(self._resume)
+
+    def _next_turn(self) -> None:
+        """The loop served the others: read again and go on with what this client sent."""
+        self.flow.end_turn()
+        self._resume()
 
     def _resume(self) -> None:
         if not self.closing and not self.client.waiting and not self.flow.write_paused:

@@ -348,6 +348,7 @@ def test_transport_details_and_argument_checks() -> None:
 def test_out_of_descriptors_pauses_accepting_and_reports_it() -> None:
     """EMFILE on accept: reported to the loop's handler (the broker counts accept_errors) and
     accepting pauses instead of spinning on a listener that stays readable; it resumes."""
+    c_transport()  # (skips where the compile was skipped on purpose, as the other tests of the C transport)
     code = r"""
 import asyncio, resource, socket, sys, uvloop
 from broker import netio

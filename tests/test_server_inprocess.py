@@ -11,11 +11,11 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from broker.connection import MAX_BUFFER_WHILE_WAITING
+from broker.connection import MAX_BUFFER_WHILE_WAITING, TURN_COMMANDS
 from broker.limits import Limits
 from broker.queue import QueueListener
 from broker.server import BrokerServer, ServerConfig
-from tests.helpers import connect, make_server
+from tests.helpers import connect, make_server, wait_until_async
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -179,9 +179,28 @@ def test_input_behind_a_blocked_reserve_pauses_reading_until_served() -> None:
         assert not wt.reading  # over a MiB queued behind the reserve
         producer.data_received(b"put 0 0 60 2\r\nhi\r\n")
         assert pt.take() == b"INSERTED 1\r\n"
-        await settle()
+        # the queued commands are served a turn (connection.TURN_COMMANDS) a loop pass, then reading resumes
+        await wait_until_async(lambda: not waiter.decoder.buffered() and wt.reading, 5, "the backlog served")
         out = wt.take()
-        assert out.startswith(b"RESERVED 1 2\r\nhi\r\nUSING default\r\n") and wt.reading
+        assert out.startswith(b"RESERVED 1 2\r\nhi\r\nUSING default\r\n")
+        assert out.count(b"USING default\r\n") == MAX_BUFFER_WHILE_WAITING // 16 + 2
+    run(body)
+
+
+def test_a_client_pipelining_many_commands_yields_the_loop_between_turns() -> None:
+    """More commands than one turn serves: the connection stops reading and goes on in the loop's next
+    pass, so other clients are answered meanwhile; every command is still answered, in order."""
+    async def body() -> None:
+        server = make_server()
+        flood, ft = connect(server)
+        other, ot = connect(server)
+        flood.data_received(b"use a\r\n" * (3 * TURN_COMMANDS))
+        first_turn = ft.take().count(b"USING a\r\n")
+        assert TURN_COMMANDS - 256 <= first_turn <= TURN_COMMANDS and not ft.reading
+        other.data_received(b"list-tube-used\r\n")
+        assert ot.take() == b"USING default\r\n"  # answered while the flood waits for its next turn
+        await wait_until_async(lambda: not flood.decoder.buffered() and ft.reading, 5, "the flood served")
+        assert first_turn + ft.take().count(b"USING a\r\n") == 3 * TURN_COMMANDS
     run(body)
 
 

@@ -86,36 +86,40 @@ class FlowControl:
         self.turn_paused = False
         self.stall_timer: asyncio.TimerHandle | None = None
 
+    def _reasons(self) -> int:
+        """How many of the four reasons to stop reading hold now."""
+        return int(self.backlog_paused) + int(self.write_paused) + int(self.stopped) + int(self.turn_paused)
+
     def stop(self) -> None:
         """Read nothing more from this client (the server is shutting down)."""
         if not self.stopped:
             self.stopped = True
-            if not self.backlog_paused and not self.write_paused and not self.turn_paused:
+            if self._reasons() == 1:
                 self.transport.pause_reading()
 
     def pause_for_backlog(self) -> None:
         if not self.backlog_paused:
             self.backlog_paused = True
-            if not self.write_paused and not self.stopped and not self.turn_paused:
+            if self._reasons() == 1:
                 self.transport.pause_reading()
 
     def end_backlog(self) -> None:
         if self.backlog_paused:
             self.backlog_paused = False
-            if not self.write_paused and not self.stopped and not self.turn_paused:
+            if not self._reasons():
                 self.transport.resume_reading()
 
     def pause_for_turn(self) -> None:
         """This client's commands took their turn: read no more until the loop has served the others."""
         if not self.turn_paused:
             self.turn_paused = True
-            if not self.backlog_paused and not self.write_paused and not self.stopped:
+            if self._reasons() == 1:
                 self.transport.pause_reading()
 
     def end_turn(self) -> None:
         if self.turn_paused:
             self.turn_paused = False
-            if not self.backlog_paused and not self.write_paused and not self.stopped:
+            if not self._reasons():
                 self.transport.resume_reading()
 
     def pause_writing(self, on_stall: Callable[[], None]) -> None:
@@ -125,7 +129,7 @@ class FlowControl:
         event, so one timer handle per stalled connection).
         """
         self.write_paused = True
-        if not self.backlog_paused and not self.stopped and not self.turn_paused:
+        if self._reasons() == 1:
             self.transport.pause_reading()
         timeout = self.limits.slow_reader_timeout
         if timeout > 0 and self.stall_timer is None:
@@ -138,7 +142,7 @@ class FlowControl:
         self.write_paused = False
         if self.backlog_paused or closing:
             return False
-        if not self.stopped and not self.turn_paused:
+        if not self._reasons():
             self.transport.resume_reading()
         return True
 

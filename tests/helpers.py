@@ -593,9 +593,9 @@ def make_server(limits: Limits | None = None) -> BrokerServer:
     return BrokerServer(ServerConfig(limits=limits or Limits()))
 
 
-def connect(server: BrokerServer) -> tuple[BrokerConnection, FakeTransport]:
-    """A connection of the class the server makes (interpreted: the lane's, broker/lane.py)."""
-    conn = connection_class(server.state)(server.state)
+def connect(server: BrokerServer, cls: type[BrokerConnection] | None = None) -> tuple[BrokerConnection, FakeTransport]:
+    """A connection of ``cls``, by default the class the server makes (interpreted: the lane's, broker/lane.py)."""
+    conn = (cls or connection_class(server.state))(server.state)
     transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     return conn, transport

@@ -26,7 +26,7 @@ from broker.connection import BrokerConnection
 from broker.limits import Limits
 from broker.queue import QueueListener
 from broker.server import BrokerServer, ServerConfig, connection_class
-from tests.helpers import FakeTransport
+from tests.helpers import FakeTransport, connect
 
 INTERPRETED = not _build.is_compiled_file(str(connection_module.__file__))
 
@@ -59,13 +59,7 @@ else:
             self.sides: list[tuple[BrokerServer, list[tuple[BrokerConnection, FakeTransport]]]] = []
             for cls in (BrokerConnection, LaneConnection):
                 server = BrokerServer(ServerConfig(busy_poll_us=0, limits=limits or Limits()), clock=self.clock)
-                conns = []
-                for _ in range(clients):
-                    conn = cls(server.state)
-                    transport = FakeTransport()
-                    conn.connection_made(transport)  # type: ignore[arg-type]
-                    conns.append((conn, transport))
-                self.sides.append((server, conns))
+                self.sides.append((server, [connect(server, cls) for _ in range(clients)]))
 
         def send(self, client: int, packet: bytes) -> None:
             replies = []
@@ -120,11 +114,7 @@ else:
             replies = []
             for server, conns in self.sides:
                 if len(conns) == 3:
-                    cls = type(conns[0][0])
-                    conn = cls(server.state)
-                    transport = FakeTransport()
-                    conn.connection_made(transport)  # type: ignore[arg-type]
-                    conns.append((conn, transport))
+                    conns.append(connect(server, type(conns[0][0])))
                 conn, transport = conns[3]
                 conn.data_received(packet)
                 replies.append(transport.take())
@@ -258,9 +248,7 @@ else:
         def body() -> None:
             server = BrokerServer(ServerConfig(busy_poll_us=0))
             assert connection_class(server.state) is LaneConnection
-            conn = LaneConnection(server.state)
-            transport = FakeTransport()
-            conn.connection_made(transport)  # type: ignore[arg-type]
+            conn, transport = connect(server, LaneConnection)
             # A client's first put and reserve, and each packet's first time, take the general path (it
             # makes the client a producer and a worker, and parses the line the lane then keeps)
             for packet in (b"put 1024 0 60 5\r\nhello\r\n", b"reserve\r\n", b"delete 1\r\n",
@@ -279,8 +267,7 @@ else:
             assert transport.take().startswith(b"INSERTED")
             assert calls_during(conn, b"reserve-with-timeout 0\r\n") == []
             assert transport.take().startswith(b"RESERVED")
-            general = BrokerConnection(server.state)
-            general.connection_made(FakeTransport())  # type: ignore[arg-type]
+            general, _ = connect(server, BrokerConnection)
             assert len(calls_during(general, b"put 1024 0 60 5\r\nhello\r\n")) >= 5
 
         run(body)

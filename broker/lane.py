@@ -6,7 +6,7 @@ general path of a depth-1 command walks 9-13 of them (``data_received`` -> ``par
 reserve goes through ``ready_top``, ``drop_ready_top``, ``_remove_ready``, ``_reserve``...). That
 was most of the gap to the Python floor (bench/README.md, "The interpreted lane").
 :class:`LaneConnection` answers the four commands a request/response worker sends most, when
-each is in its plainest form, without any of those calls (and falls back to :meth:`BrokerConnection.handle_input`):
+each is in its plainest form, without any of those calls:
 
 * ``put`` of a cached put line with no delay, its whole body and CRLF in the packet;
 * ``reserve`` and ``reserve-with-timeout N`` by a client under its reserve cap, while no tube that
@@ -14,9 +14,11 @@ each is in its plainest form, without any of those calls (and falls back to :met
   entry on top (tubes with waiting clients have no ready jobs then, and are skipped);
 * ``delete`` of a job the client holds.
 
-It serves on a broker without a binlog and without auth (``server.connection_class``).
+It serves on a broker without a binlog and without auth (``server.connection_class``), and only
+while the connection is *open* to it (``lane_open``: nothing buffered or half-read, no reserve waiting,
+replies not paused), which the general path decides after each packet it serves.
 Everything else, and every case with a condition above unmet, goes to
-:meth:`BrokerConnection.data_received` before anything changed: the lane is the same
+:meth:`BrokerConnection.handle_input` before anything changed: the lane is the same
 state change as the general path, written flat, never a different rule. Each branch says
 which general-path function it mirrors; ``tests/test_lane.py`` runs random command streams
 through both and compares every reply, the queue's stats and every job, and the differential
@@ -33,6 +35,7 @@ from broker.connection import BrokerConnection
 from broker.jobtable import PAGE_BITS, PAGE_MASK, SPARSE_LIVE
 from broker.model import INVALID, NS, READY, RESERVED, URGENT_THRESHOLD, Job, shared_int
 from broker.queue import CREATED_GRAIN
+from broker.state import ServerState
 
 _object_new: Final = object.__new__
 
@@ -40,7 +43,27 @@ _object_new: Final = object.__new__
 class LaneConnection(BrokerConnection):
     """A :class:`BrokerConnection` whose ``data_received`` serves the lane's commands itself."""
 
-    __slots__ = ()
+    __slots__ = ("lane_open",)
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__(state)
+        # True only while the lane may serve the next packet: nothing buffered or half-read, no reserve
+        # waiting, replies not paused. Set after each packet of the general path (_general), which is the
+        # only one that can change those; cleared when the transport pauses our writes (pause_writing).
+        # One slot read per packet instead of five checks over three objects.
+        self.lane_open = False
+
+    def pause_writing(self) -> None:
+        self.lane_open = False
+        BrokerConnection.pause_writing(self)
+
+    def _general(self, data: bytes) -> None:
+        """The general path for this packet, then whether the lane may serve the next one."""
+        self.handle_input(data)
+        decoder = self.decoder
+        # (closing is read first on every packet: it never clears)
+        self.lane_open = not (self.client.waiting or decoder.pos != len(decoder.buf) or decoder.mode
+                              or self.flow.write_paused)
 
     def data_received(self, data: bytes) -> None:  # noqa: C901 - one frame is the point (see the module)
         if self.closing:
@@ -52,30 +75,29 @@ class LaneConnection(BrokerConnection):
                 poll.fresh = True
             else:
                 poll.note_input()
-        client = self.client
-        decoder = self.decoder
-        queue = self.queue
-        # Only on a broker without a binlog and without auth (server.connection_class); the write gate is
-        # checked all the same (a replicated member has a binlog). self.out is empty here: every path of
-        # the general one writes out what it gathered before it returns.
-        if client.waiting or decoder.pos != len(decoder.buf) or decoder.mode or self.state.write_gate is not None:
-            self.handle_input(data)
+        if not self.lane_open:
+            self._general(data)
             return
+        # self.out is empty here: every path of the general one writes out what it gathered before it returns.
+        client = self.client
+        queue = self.queue
         first = data[0]
         if first == 112:  # "p": put (Decoder.parse_packet + Queue.put + _enqueue + JobTable.put)
-            end = data.find(b"\r")
-            line = data[:end]
+            line, _, rest = data.partition(b"\r\n")  # a cached line holds no CR: this is its first one
             prepared = self.state.lane_puts.get(line)
-            if prepared is None or end <= 0:
-                self.handle_input(data)
+            if prepared is None:
+                self._general(data)
                 self._prepare_put(line)
                 return
             pri, ttr, size = prepared
+            # The body and the CRLF ending the packet: nothing after the last CRLF, and size + 2 bytes in all
+            # (which a rest without any CRLF, whose "body" is empty, cannot have).
+            body, _, tail = rest.rpartition(b"\r\n")
             job_id = queue.next_id
             tube = client.use
-            if (len(data) != end + size + 4 or data[end + 1] != 10 or data[-2] != 13 or data[-1] != 10
+            if (tail or len(rest) != size + 2
                     or queue.draining or queue.puts_capped or not client.producer or job_id >> tube.ready_shift):
-                self.handle_input(data)
+                self._general(data)
                 return
             queue.cmd_put += 1
             queue.next_id = job_id + 1
@@ -83,7 +105,6 @@ class LaneConnection(BrokerConnection):
             created = queue.recent_now
             if now - created >= CREATED_GRAIN or now < created:
                 created = queue.recent_now = now
-            body = data[end + 2:-2]
             job: Job = _object_new(Job)  # model.new_job, every slot
             job.id = job_id
             job.tube = tube
@@ -100,8 +121,12 @@ class LaneConnection(BrokerConnection):
             tube.refs += 1
             jobs = queue.jobs  # JobTable.put: a new id in an existing page without lazy jobs
             index = (job_id >> PAGE_BITS) - jobs.base
-            pages = jobs.pages
-            page = pages[index] if 0 <= index < len(pages) else None
+            page = None
+            if index >= 0:  # (a negative index would read the list from its end)
+                try:  # noqa: SIM105 - contextlib.suppress is two calls
+                    page = jobs.pages[index]
+                except IndexError:  # the id opens a new page
+                    pass
             if page is not None and page.lazy is None:
                 page.slots[job_id & PAGE_MASK] = job
                 page.live += 1
@@ -127,108 +152,71 @@ class LaneConnection(BrokerConnection):
                 self._after_write()
                 return
             self.transport.write(reply)
-            if self.flow.write_paused:
-                self._check_output()
-            return
-        elif first == 100:  # "d": delete of a job this client holds (Queue.delete + _unreserve)
-            if len(data) < 10 or data[-2] != 13 or data[-1] != 10 or not data.startswith(b"delete "):
-                self.handle_input(data)
-                return
-            digits = data[7:-2]
-            if not digits.isdigit() or len(digits) > 18:  # a plain number below 2**63 (protocol.plain_number)
-                self.handle_input(data)
-                return
-            job_id = int(digits)
-            reserved = client.reserved
-            held = reserved.get(job_id)
-            if held is None:
-                self.handle_input(data)
-                return
-            queue.cmd_delete += 1
-            del reserved[job_id]
-            held.reserver = None
-            tube = held.tube
-            tube.reserved_count -= 1
-            if not reserved:
-                client.deadlines.clear()  # every entry left is stale
-            else:
-                client.prune_deadlines()
-            tube.total_deletes += 1
-            held.state = INVALID
-            jobs = queue.jobs  # JobTable.pop, when its page stays (not sparse, or the newest) and has no lazy jobs
-            index = (job_id >> PAGE_BITS) - jobs.base
-            pages = jobs.pages
-            page = pages[index] if 0 <= index < len(pages) else None
-            if (page is not None and page.lazy is None and page.slots[job_id & PAGE_MASK] is held
-                    and (page.live > SPARSE_LIVE or index == len(pages) - 1)):
-                page.slots[job_id & PAGE_MASK] = None
-                page.live -= 1
-                jobs.paged -= 1
-            else:
-                jobs.pop(job_id)
-            queue.held_bytes -= len(held.body)
-            if tube.refs > 1:  # Queue._unref, when the tube stays
-                tube.refs -= 1
-            else:
-                queue._unref(tube)
-            self.transport.write(p.DELETED)
-            if self.flow.write_paused:
-                self._check_output()
+            if not self.lane_open:  # the write paused (pause_writing): as the general path after a write
+                self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
             return
         elif first == 114:  # "r": reserve (Queue.reserve + _fast_reserve + Tube.ready_top + _reserve)
             timed = self.state.lane_reserves.get(data)
             if timed is None:
-                self.handle_input(data)
+                self._general(data)
                 self._prepare_reserve(data)
                 return
             if not client.worker:
-                self.handle_input(data)
+                self._general(data)
                 return
             now = queue.clock()
-            if client.reserved:
+            reserved = client.reserved
+            if reserved:
                 # Queue.reserve's checks for a client holding jobs: its reserve cap, and DEADLINE_SOON, which
                 # is answered only when no watched tube has a ready job (then the lane falls back below); its
                 # look at the soonest deadline drops stale entries, so the lane needs a live one on top.
                 deadlines = client.deadlines
-                cap = queue.reserve_cap
-                if (not deadlines or (cap and len(client.reserved) >= cap) or deadlines[0][2].reserver is not client
-                        or deadlines[0][2].state != RESERVED or deadlines[0][2].deadline != deadlines[0][0]):
-                    self.handle_input(data)
+                if (not deadlines or (queue.reserve_cap and len(reserved) >= queue.reserve_cap)
+                        or deadlines[0][2].reserver is not client or deadlines[0][2].state != RESERVED
+                        or deadlines[0][2].deadline != deadlines[0][0]):
+                    self._general(data)
                     return
             if queue.waiting_ct:  # as _fast_reserve: a waiting client may be owed a ready job first
-                for waited in queue.waited_tubes:
-                    if waited.ready_count:
-                        self.handle_input(data)
+                for tube in queue.waited_tubes:
+                    if tube.ready_count:
+                        self._general(data)
                         return
             jobs = queue.jobs
-            pages = jobs.pages
             best: Job | None = None  # the least (pri, id) among the watched tubes' tops, as _fast_reserve
             in_run = False
-            for candidate in client.watch.items:
-                if not candidate.ready_count:
+            for tube in client.watch.items:
+                if not tube.ready_count:
                     continue
-                if candidate.pause:
-                    self.handle_input(data)
+                if tube.pause:
+                    self._general(data)
                     return
-                heap = candidate.ready  # Tube.ready_top, when its top entry is live
-                run = candidate.ready_run
-                at = candidate.ready_run_at
+                heap = tube.ready  # Tube.ready_top, when its top entry is live
+                run = tube.ready_run
+                at = tube.ready_run_at
                 top_in_run = at < len(run) and (not heap or run[at] < heap[0])
-                entry = run[at] if top_in_run else heap[0] if heap else -1
-                candidate.top_in_run = top_in_run
-                top_id = entry & candidate.ready_mask
-                index = (top_id >> PAGE_BITS) - jobs.base  # JobTable.get, of a page without lazy jobs
-                page = pages[index] if entry >= 0 and 0 <= index < len(pages) else None
-                top = page.slots[top_id & PAGE_MASK] if page is not None and page.lazy is None else None
-                if (top is None or top.state != READY or top.tube is not candidate
-                        or top.pri != entry >> candidate.ready_shift):
-                    self.handle_input(data)  # a stale entry on top: the general path drops it
+                entry = run[at] if top_in_run else heap[0] if heap else -1  # (top_in_run is ready_top's scratch)
+                job_id = entry & tube.ready_mask
+                index = (job_id >> PAGE_BITS) - jobs.base  # JobTable.get, but for a page with lazy jobs
+                page = None
+                if index >= 0:
+                    try:  # noqa: SIM105 - contextlib.suppress is two calls
+                        page = jobs.pages[index]
+                    except IndexError:
+                        pass
+                if page is None:  # evicted (a drained page's last jobs) or never made; entry -1 finds no job
+                    top = jobs.overflow.get(job_id)
+                else:
+                    top = page.slots[job_id & PAGE_MASK] if page.lazy is None else None
+                # Tube.ready_live. Not its `job.tube is self`: the slot of an id holds that job only, and a
+                # job's tube never changes (ids are never reused).
+                if top is None or top.state != READY or top.pri != entry >> tube.ready_shift:
+                    self._general(data)  # a stale entry on top: the general path drops it
                     return
                 if best is None or top.pri < best.pri or (top.pri == best.pri and top.id < best.id):
                     best = top
                     in_run = top_in_run
             if best is None:
-                self.handle_input(data)
+                self._general(data)
                 return
             job = best
             tube = job.tube
@@ -255,13 +243,13 @@ class LaneConnection(BrokerConnection):
             tube.ready_count = ready_count
             if job.pri < URGENT_THRESHOLD:
                 tube.urgent_count -= 1
-            if len(tube.ready) + len(tube.ready_run) - tube.ready_run_at > 2 * ready_count + 64:
+            if len(heap) + len(run) - at > 2 * ready_count + 64:  # Tube.prune_ready's test (its lists, in place)
                 tube.prune_ready()
             job.state = RESERVED  # Queue._reserve
             job.reserver = client
             job.reserves += 1
             job.deadline = deadline = now + job.ttr * NS
-            client.reserved[job.id] = job
+            reserved[job.id] = job
             heappush(client.deadlines, (deadline, job.id, job))
             tube.reserved_count += 1
             client.pending_timeout = -1
@@ -269,16 +257,61 @@ class LaneConnection(BrokerConnection):
             if not armed or deadline < armed:
                 queue.arm_ttr(client, deadline)
             body = job.body
-            reply = b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(body), body)
-        else:
-            self.handle_input(data)
+            self.transport.write(b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(body), body))
+            if not self.lane_open:  # the write paused (pause_writing)
+                self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
+            timer = self.timer
+            if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check: the reserve's TTR is on the timer heap
+                timer.reschedule()
             return
-        self.transport.write(reply)
-        if self.flow.write_paused:
-            self._check_output()
-        timer = self.timer
-        if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check: the reserve's TTR is on the timer heap
-            timer.reschedule()
+        elif first == 100:  # "d": delete of a job this client holds (Queue.delete + _unreserve)
+            line = data[7:-2]
+            # "delete ", a plain number below 2**63 (protocol.plain_number), CRLF: nothing else in the packet
+            if data != b"delete %s\r\n" % line or not line.isdigit() or len(line) > 18:
+                self._general(data)
+                return
+            job_id = int(line)
+            reserved = client.reserved
+            held = reserved.get(job_id)
+            if held is None:
+                self._general(data)
+                return
+            queue.cmd_delete += 1
+            del reserved[job_id]
+            held.reserver = None
+            tube = held.tube
+            tube.reserved_count -= 1
+            if not reserved:
+                client.deadlines.clear()  # every entry left is stale
+            else:
+                client.prune_deadlines()
+            tube.total_deletes += 1
+            held.state = INVALID
+            jobs = queue.jobs  # JobTable.pop, when its page stays (not sparse, or the newest) and has no lazy jobs
+            index = (job_id >> PAGE_BITS) - jobs.base
+            page = None
+            if index >= 0:
+                try:  # noqa: SIM105 - contextlib.suppress is two calls
+                    page = jobs.pages[index]
+                except IndexError:
+                    pass
+            if (page is not None and page.lazy is None and page.slots[job_id & PAGE_MASK] is held
+                    and (page.live > SPARSE_LIVE or index == len(jobs.pages) - 1)):
+                page.slots[job_id & PAGE_MASK] = None
+                page.live -= 1
+                jobs.paged -= 1
+            else:
+                jobs.pop(job_id)
+            queue.held_bytes -= len(held.body)
+            if tube.refs > 1:  # Queue._unref, when the tube stays
+                tube.refs -= 1
+            else:
+                queue._unref(tube)
+            self.transport.write(p.DELETED)
+            if not self.lane_open:  # the write paused (pause_writing): as the general path after a write
+                self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
+            return
+        self._general(data)
 
     def _after_write(self) -> None:
         """What the general path does after a reply that may have pushed a deadline: back-pressure, the loop timer."""

@@ -553,11 +553,21 @@ class FakeTransport:
         self.aborted = False
         self.buffered = 0  # what get_write_buffer_size reports (the client's unread replies)
         self.writes = 0
+        # A client that reads nothing: with pause_at set, every write adds to ``buffered``, and the write
+        # that takes it past pause_at calls the protocol's pause_writing, as asyncio's transports do.
+        self.pause_at: int | None = None
+        self.protocol: Any = None
+        self.write_paused = False
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "write after close"
         self.out += data
         self.writes += 1
+        if self.pause_at is not None:
+            self.buffered += len(data)
+            if not self.write_paused and self.buffered > self.pause_at:
+                self.write_paused = True
+                self.protocol.pause_writing()
 
     def take(self) -> bytes:
         data = bytes(self.out)

@@ -316,6 +316,71 @@ else:
 
         run(body)
 
+    def test_a_drained_page_is_served_from_overflow_by_the_lane() -> None:
+        """Draining in id order empties the oldest page to SPARSE_LIVE jobs, which then move to the
+        table's overflow: the lane still serves their reserves itself, as the general path does."""
+        def body() -> None:
+            pair = Pair()
+            for _ in range(2600):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            lane_conn = pair.sides[1][1][1][0]
+            for _ in range(2):  # the worker's first reserve, and the packet's first time, take the general path
+                pair.send(1, b"reserve\r\n")
+                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+            pair.send(1, b"reserve\r\n")
+            general = evicted = 0
+            for n in range(2200):
+                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+                general += calls_during_named(lambda: pair.send(1, b"reserve\r\n"), lane_conn, "handle_input")
+                evicted = max(evicted, len(pair.sides[1][0].queue.jobs.overflow))
+                if n % 500 == 0:
+                    pair.check_state()
+            assert evicted > 0, "no page was evicted: the test does not reach the overflow"
+            assert general == 0, f"{general} reserves took the general path"
+            pair.check_state()
+
+        run(body)
+
+    def test_a_client_that_stops_reading_is_closed_as_on_the_general_path() -> None:
+        """Replies the client does not read: the write that pauses the transport must be followed by the
+        general path's check (--max-output-bytes closes the client) on the lane too, on that very packet."""
+        def body() -> None:
+            pair = Pair(limits=Limits(max_output_bytes=300))
+            for _, conns in pair.sides:
+                conn, transport = conns[0]
+                transport.pause_at, transport.protocol = 100, conn
+            sent = 0
+            while not pair.sides[0][1][0][1].closed:
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+                sent += 1
+                assert sent < 100
+            for _, conns in pair.sides:
+                assert conns[0][1].aborted and conns[0][0].closing
+            assert sent > 10  # it was served a while (by the lane: the line is cached from the second put)
+            pair.check_state()
+
+        run(body)
+
+    def test_a_body_that_reads_as_a_command_is_a_body() -> None:
+        """A put line alone in its packet leaves the decoder waiting for the body with nothing buffered:
+        the next packet is that body even when it reads like a put, reserve or delete the lane knows."""
+        def body() -> None:
+            pair = Pair()
+            put = b"put 5 0 60 1\r\nx\r\n"
+            for _ in range(3):  # the lane knows these packets now
+                pair.send(0, put)
+                pair.send(0, b"reserve\r\n")
+                pair.send(0, b"delete %d\r\n" % min(pair.sides[0][1][0][0].client.reserved))
+            for packet in (put, b"reserve\r\n", b"delete 1\r\n"):
+                pair.send(0, b"put 5 0 60 %d\r\n" % (len(packet) - 2))
+                pair.send(0, packet)
+            pair.send(0, b"put 5 0 60 1\r\n")
+            pair.send(0, b"x\r\n")
+            pair.check_state()
+            assert pair.state(1)["counters"]["next_id"] == 8  # four bodies, whatever they looked like
+
+        run(body)
+
     def test_a_reserve_waits_its_turn_behind_a_waiter_owed_a_job() -> None:
         """A tube whose pause has run out (its timer not fired yet) holds a ready job and a waiting
         client: the next reserve anywhere takes the general path, which serves that waiter first."""

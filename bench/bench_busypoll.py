@@ -6,7 +6,7 @@ time before the next one (a busy loop for gaps under 2 ms, as a worker computing
 for longer ones, as a worker waiting on something else). For each gap and server, in the
 same run: round trips per second, the round trip's p50 / p99 as the client sees it, and
 the server's CPU time as a share of one core (``/proc/PID/stat``). Servers: beanstalkd, and
-ours once per ``--windows`` value W (``ours-pollW``: ``--busy-poll-us W``; the default 50 is
+ours once per ``--windows`` value W (``ours-pollW``: ``--busy-poll-us W``; the default 100 is
 the shipped setting, 0 never polls).
 Client and server are pinned to different CPUs, as broker_bench.py does with one
 connection. ``--hog``: a CPU-bound process shares the server's CPU (a Spark executor, say), and

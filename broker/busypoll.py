@@ -31,7 +31,8 @@ from typing import Final
 
 # 100, not 50: the gap a client in a tight loop leaves is its own wake-up plus the reply's trip, ~40-60 us
 # on a 2-core VM, and 50 us caught it only some of the time (1 x 1 rows of 12-38k round trips a second
-# from one repetition to the next, 37-39k every time at 100; bench/README.md, "Busy polling").
+# from one repetition to the next, 37-39k every time at 100; bench/README.md, "The lane, tightened, and
+# the busy-poll window").
 DEFAULT_WINDOW_US: Final = 100
 MAX_WINDOW_US: Final = 10_000
 _MAX_BACKOFF: Final = 10  # at most 2**10 - 1 commands without a poll after misses in a row

@@ -239,11 +239,12 @@ LANE_ENV = "SPARK_BEANSTALK_LANE"
 
 def connection_class(state: ServerState) -> type[BrokerConnection]:
     """The interpreted core serves a worker's plain commands in one frame (:mod:`broker.lane`) on a
-    broker without a binlog (so without group commit, a sync point or replication) and without auth,
-    all fixed when the server is made; compiled, calls are cheap and the general path serves
-    everything. ``SPARK_BEANSTALK_LANE=0`` turns the lane off (benchmarks compare the two)."""
+    broker without a binlog (so without group commit, a sync point or replication: a replicated member
+    has a binlog, and its write gate is checked here too) and without auth, all fixed when the server is
+    made; compiled, calls are cheap and the general path serves everything. ``SPARK_BEANSTALK_LANE=0``
+    turns the lane off (benchmarks compare the two)."""
     if (_build.core_name() == "compiled" or not _build.env_flag(LANE_ENV, True) or state.queue.listening
-            or state.config.auth_token is not None):
+            or state.config.auth_token is not None or state.write_gate is not None):
         return BrokerConnection
     from broker.lane import LaneConnection  # imported only here: it subclasses the interpreted class
 

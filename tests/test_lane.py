@@ -424,4 +424,7 @@ else:
         assert connection_class(BrokerServer(ServerConfig()).state) is LaneConnection
         assert connection_class(BrokerServer(ServerConfig(auth_token=b"secret")).state) is BrokerConnection
         assert connection_class(BrokerServer(ServerConfig(), QueueListener()).state) is BrokerConnection
+        gated = BrokerServer(ServerConfig())
+        gated.state.write_gate = object()  # type: ignore[assignment]  # a replicated member's (which has a binlog too)
+        assert connection_class(gated.state) is BrokerConnection
 

@@ -134,7 +134,8 @@ else:
     ODD = (b"delete 01\r\n", b"delete 1 \r\n", b"delete\r\n", b"delete 99999999999999999999\r\n", b"d", b"r", b"p",
            b"delete 1\r", b"reserve\r\nreserve\r\n", b"reserve-with-timeout 1\r\n", b"reserve-with-timeout 00\r\n",
            b"reserve-with-timeout  0\r\n", b"pause-tube a 1\r\n", b"pause-tube default 0\r\n", b"peek-ready\r\n",
-           b"kick 3\r\n", b"put 1024 0 120 5\r\nhel", b"lo\r\n", b"put 1024 0 120 2\r\nhixx")
+           b"kick 3\r\n", b"put 1024 0 120 5\r\nhel", b"lo\r\n", b"put 1024 0 120 2\r\nhixx",
+           b"delete " + b"1" * 5000 + b"\r\n")
 
     def command(draw: Callable[[list[Any]], Any]) -> bytes:
         """One packet, drawn by ``draw(options)`` (hypothesis or a seeded random.choice)."""
@@ -337,6 +338,33 @@ else:
                     pair.check_state()
             assert evicted > 0, "no page was evicted: the test does not reach the overflow"
             assert general == 0, f"{general} reserves took the general path"
+            pair.check_state()
+
+        run(body)
+
+    def test_a_job_below_the_first_page_is_not_read_at_a_negative_index() -> None:
+        """Jobs of drained pages go to the overflow and the pages go, so the table's first page number rises
+        past a job still held there: its index is negative, which a list would read from its end (another
+        tube's job in the same slot, same priority: the lane must not serve it to a worker of this tube)."""
+        def body() -> None:
+            pair = Pair()
+            pair.send(0, b"use a\r\nput 5 0 60 1\r\nA\r\nuse default\r\n")  # job 1, in tube a
+            for _ in range(3070):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")  # 2-3071: pages 0-2 of default's jobs
+            for _ in range(3):  # a worker of default: its first reserve, and the packet's first time
+                pair.send(1, b"reserve\r\n")
+                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+            for _ in range(3067):  # every default job, so pages 0-2 are drained
+                pair.send(1, b"reserve\r\n")
+                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+            for _ in range(2100):  # pages 3-5 of default's jobs, ready
+                pair.send(0, b"put 5 0 60 1\r\ny\r\n")
+            table = pair.sides[1][0].queue.jobs
+            assert 1 in table.overflow and (1 >> 10) - table.base < 0 < len(table.pages), "job 1 is not below the pages"
+            pair.send(2, b"watch a\r\nignore default\r\nreserve\r\n")  # general: the worker's first reserve
+            pair.send(2, b"release 1 5 0\r\n")
+            pair.send(2, b"reserve\r\n")
+            pair.send(2, b"reserve-with-timeout 0\r\n")
             pair.check_state()
 
         run(body)

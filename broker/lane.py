@@ -314,8 +314,9 @@ class LaneConnection(BrokerConnection):
         self._general(data)
 
     def _after_write(self) -> None:
-        """What the general path does after a reply that may have pushed a deadline: back-pressure, the loop timer."""
-        if self.flow.write_paused:
+        """What the general path does after a reply that may have pushed a deadline: back-pressure, the loop timer
+        (the reserve branch's tail, as a call: a put that woke a waiting worker is rare)."""
+        if not self.lane_open:  # the write paused (pause_writing)
             self._check_output()
         timer = self.timer
         if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check

@@ -70,6 +70,10 @@ else:
             general, lane = replies
             assert general == lane, f"client {client} sent {packet!r}: general {general!r}, lane {lane!r}"
 
+        def delete_oldest_held(self, client: int) -> None:
+            """The worker ``client`` deletes the oldest job it holds (the same id on both sides)."""
+            self.send(client, b"delete %d\r\n" % min(self.sides[0][1][client][0].client.reserved))
+
         def state(self, index: int) -> dict[str, Any]:
             server, conns = self.sides[index]
             queue = server.queue
@@ -295,8 +299,7 @@ else:
                 pair.send(0, b"put 5 0 60 1\r\nx\r\n")
             for _ in range(1050):  # the run's prefix is dropped at 1,024 served
                 pair.send(1, b"reserve\r\n")
-                held = sorted(pair.sides[0][1][1][0].client.reserved)
-                pair.send(1, b"delete %d\r\n" % held[0])
+                pair.delete_oldest_held(1)
             pair.check_state()
             # 50 ready left (1051-1100) plus 150 more: delete the newest 132 while ready, so that
             # stale entries sit exactly at the threshold; the next reserve rebuilds the heap
@@ -327,11 +330,11 @@ else:
             lane_conn = pair.sides[1][1][1][0]
             for _ in range(2):  # the worker's first reserve, and the packet's first time, take the general path
                 pair.send(1, b"reserve\r\n")
-                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+                pair.delete_oldest_held(1)
             pair.send(1, b"reserve\r\n")
             general = evicted = 0
             for n in range(2200):
-                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+                pair.delete_oldest_held(1)
                 general += calls_during_named(lambda: pair.send(1, b"reserve\r\n"), lane_conn, "handle_input")
                 evicted = max(evicted, len(pair.sides[1][0].queue.jobs.overflow))
                 if n % 500 == 0:
@@ -353,10 +356,10 @@ else:
                 pair.send(0, b"put 5 0 60 1\r\nx\r\n")  # 2-3071: pages 0-2 of default's jobs
             for _ in range(3):  # a worker of default: its first reserve, and the packet's first time
                 pair.send(1, b"reserve\r\n")
-                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+                pair.delete_oldest_held(1)
             for _ in range(3067):  # every default job, so pages 0-2 are drained
                 pair.send(1, b"reserve\r\n")
-                pair.send(1, b"delete %d\r\n" % min(pair.sides[0][1][1][0].client.reserved))
+                pair.delete_oldest_held(1)
             for _ in range(2100):  # pages 3-5 of default's jobs, ready
                 pair.send(0, b"put 5 0 60 1\r\ny\r\n")
             table = pair.sides[1][0].queue.jobs
@@ -398,7 +401,7 @@ else:
             for _ in range(3):  # the lane knows these packets now
                 pair.send(0, put)
                 pair.send(0, b"reserve\r\n")
-                pair.send(0, b"delete %d\r\n" % min(pair.sides[0][1][0][0].client.reserved))
+                pair.delete_oldest_held(0)
             for packet in (put, b"reserve\r\n", b"delete 1\r\n"):
                 pair.send(0, b"put 5 0 60 %d\r\n" % (len(packet) - 2))
                 pair.send(0, packet)

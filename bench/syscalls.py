@@ -38,7 +38,7 @@ def short(event: str) -> str:
 
 
 def measure(kind: str, opts: argparse.Namespace) -> dict[str, float]:
-    srv = bb.start_server(kind, [], bb.OUT / "logs", floor=opts.floor)
+    srv = bb.start_server(kind, opts.ours_args.split(), bb.OUT / "logs", floor=opts.floor)
     try:
         bb.set_affinity(srv.pid, {0})
         argv = [str(bb.BIN), "-h", srv.host, "-p", str(srv.port), "-P", str(srv.pid), "-s", "100",
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conns", type=int, default=50)
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--floor", default=None, help="path of python_floor.py (default: shared/tools/ beside the repo)")
+    p.add_argument("--ours-args", default="", help="extra arguments for our broker (space separated)")
     opts = p.parse_args(argv)
     bb.build_loadgen()
     bb.raise_nofile()

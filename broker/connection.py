@@ -226,7 +226,7 @@ class BrokerConnection(asyncio.Protocol):
 
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused = True
-        self.closing = True
+        self.mark_closing()
         self.queue.refusals.refuse(reason, self.peer, detail)
         self.transport.close()
 
@@ -285,7 +285,7 @@ class BrokerConnection(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closing = True
+        self.mark_closing()
         if self.refused:
             return
         self.flow.cancel_stall()
@@ -305,7 +305,7 @@ class BrokerConnection(asyncio.Protocol):
         if flow.write_paused and not self.closing:
             self.queue.refusals.refuse("slow_reader", self.peer, f"{self.transport.get_write_buffer_size()} "
                                        f"reply bytes unread for {flow.limits.slow_reader_timeout:g}s")
-            self.closing = True
+            self.mark_closing()
             self.transport.abort()
 
     def resume_writing(self) -> None:
@@ -313,6 +313,17 @@ class BrokerConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._resume)
 
     # -- command loop ---------------------------------------------------------------
+    def mark_closing(self) -> None:
+        """Nothing more is read or answered (set with the transport's close or abort, which stop its input).
+        Never undone. A method, so that a subclass that keeps its own gate closes it too (broker.lane)."""
+        self.closing = True
+
+    def take_activity(self) -> bool:
+        """The idle sweep: whether input came since it last asked, and watch afresh from now."""
+        active = self.activity
+        self.activity = False
+        return active
+
     def is_closing(self) -> bool:
         """close() was called (quit, a failed auth, a refusal): nothing more is answered."""
         return self.closing
@@ -469,7 +480,7 @@ class BrokerConnection(asyncio.Protocol):
         """Its replies acknowledge changes that could not be made durable (a failing disk):
         close without them, so that the client treats them as unknown, as after a crash."""
         if not self.closing:
-            self.closing = True
+            self.mark_closing()
             self.transport.abort()  # connection_lost releases its reservations
 
     def _check_output(self) -> None:
@@ -477,7 +488,7 @@ class BrokerConnection(asyncio.Protocol):
         if self.flow.output_over_limit():
             self.queue.refusals.refuse("slow_reader", self.peer,
                                        f"{self.transport.get_write_buffer_size()} reply bytes unread")
-            self.closing = True
+            self.mark_closing()
             self.transport.abort()  # connection_lost releases its reservations
 
     def stop_reading(self) -> None:
@@ -489,7 +500,7 @@ class BrokerConnection(asyncio.Protocol):
         """Close after the replies already produced (held ones included) have been written."""
         if not self.closing:
             self.state.commit_group()  # this connection's last replies may be held
-            self.closing = True
+            self.mark_closing()
             self.transport.close()
 
     # -- authentication ---------------------------------------------------------------

@@ -47,28 +47,39 @@ class LaneConnection(BrokerConnection):
 
     def __init__(self, state: ServerState) -> None:
         super().__init__(state)
-        # True only while the lane may serve the next packet: nothing buffered or half-read, no reserve
-        # waiting, replies not paused. Set after each packet of the general path (_general), which is the
-        # only one that can change those; cleared when the transport pauses our writes (pause_writing).
-        # One slot read per packet instead of five checks over three objects.
+        # True only while the lane may serve the next packet: not closing, nothing buffered or half-read, no
+        # reserve waiting, replies not paused, and the packet's arrival already noted for the idle sweep. Set
+        # after each packet of the general path (_general), which is the only one that can change those
+        # within a packet; cleared when the connection closes (mark_closing), the transport pauses our writes
+        # (pause_writing) or the idle sweep asks for activity (take_activity). One slot read per packet
+        # instead of seven checks over four objects.
         self.lane_open = False
+
+    def mark_closing(self) -> None:
+        self.lane_open = False
+        BrokerConnection.mark_closing(self)
 
     def pause_writing(self) -> None:
         self.lane_open = False
         BrokerConnection.pause_writing(self)
 
-    def _general(self, data: bytes) -> None:
-        """The general path for this packet, then whether the lane may serve the next one."""
-        self.handle_input(data)
-        decoder = self.decoder
-        # (closing is read first on every packet: it never clears)
-        self.lane_open = not (self.client.waiting or decoder.pos != len(decoder.buf) or decoder.mode
-                              or self.flow.write_paused)
+    def take_activity(self) -> bool:
+        # The lane notes no input (a store a packet): the next packet goes through _general, which does.
+        self.lane_open = False
+        return BrokerConnection.take_activity(self)
 
-    def data_received(self, data: bytes) -> None:  # noqa: C901 - one frame is the point (see the module)
+    def _general(self, data: bytes) -> None:
+        """The general path for this packet (BrokerConnection.data_received after the busy poll's note),
+        then whether the lane may serve the next one."""
         if self.closing:
             return
         self.activity = True
+        self.handle_input(data)
+        decoder = self.decoder
+        self.lane_open = not (self.closing or self.client.waiting or decoder.pos != len(decoder.buf) or decoder.mode
+                              or self.flow.write_paused)
+
+    def data_received(self, data: bytes) -> None:  # noqa: C901 - one frame is the point (see the module)
         poll = self.poll
         if poll is not None:  # BusyPoll.note_input, as BrokerConnection.data_received
             if poll.spinning:
@@ -99,7 +110,7 @@ class LaneConnection(BrokerConnection):
                     or queue.draining or queue.puts_capped or not client.producer or job_id >> tube.ready_shift):
                 self._general(data)
                 return
-            queue.cmd_put += 1
+            queue.lane_puts += 1  # a put command and a job created (Queue.counted_ops, jobs_created)
             queue.next_id = job_id + 1
             now = queue.clock()
             created = queue.recent_now
@@ -118,7 +129,6 @@ class LaneConnection(BrokerConnection):
             job.reserves = 0
             job.rare = None
             job.file = 0
-            tube.refs += 1
             jobs = queue.jobs  # JobTable.put: a new id in an existing page without lazy jobs
             index = (job_id >> PAGE_BITS) - jobs.base
             page = None
@@ -134,7 +144,6 @@ class LaneConnection(BrokerConnection):
             else:
                 jobs.put(job_id, job)
             queue.held_bytes += size
-            queue.total_jobs += 1
             tube.total_jobs += 1
             entry = (pri << tube.ready_shift) | job_id  # Tube.push_ready
             run = tube.ready_run
@@ -303,10 +312,8 @@ class LaneConnection(BrokerConnection):
             else:
                 jobs.pop(job_id)
             queue.held_bytes -= len(held.body)
-            if tube.refs > 1:  # Queue._unref, when the tube stays
-                tube.refs -= 1
-            else:
-                queue._unref(tube)
+            if not tube.watching:  # Queue.drop_if_unused (a watched tube stays)
+                queue.drop_if_unused(tube)
             self.transport.write(p.DELETED)
             if not self.lane_open:  # the write paused (pause_writing): as the general path after a write
                 self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing

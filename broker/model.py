@@ -273,7 +273,6 @@ class Tube:
         "ready_run",
         "ready_run_at",
         "ready_shift",
-        "refs",
         "reserved_count",
         "top_in_run",
         "total_deletes",
@@ -312,7 +311,6 @@ class Tube:
         self.pause_count = 0
         self.pause = 0  # ns; 0 = not paused
         self.unpause_at = 0
-        self.refs = 0
 
     def widen_ready(self) -> None:
         """Re-encode the ready heap with ID_BITS for the id: the map keeps the order, so the

@@ -152,6 +152,10 @@ class Queue:
         self.cmd_reserve = 0
         self.cmd_delete = 0
         self.cmd_reserve_timeout = 0
+        # Puts the interpreted lane served (broker.lane): each is both a put command and a job created,
+        # so one count here stands for both cmd_put and total_jobs (an int add less a put); see
+        # counted_ops() and jobs_created().
+        self.lane_puts = 0
         self.timeout_ct = 0
         self.total_jobs = 0
         self.waiting_ct = 0
@@ -161,8 +165,7 @@ class Queue:
         self.workers = 0
         # --extended-stats counters and, on a replica set, the member's role and position (strings too)
         self.extra_stats: Callable[[], Mapping[str, object]] | None = None
-        self.default_tube = self._tube("default")
-        self.default_tube.refs += 1  # the server's own reference: default never goes away
+        self.default_tube = self._tube("default")  # never goes away (drop_if_unused)
 
     def job_counts(self) -> tuple[int, int, int, int, int]:
         """(urgent, ready, reserved, delayed, buried) jobs of the whole server: the sums of the tubes'
@@ -179,11 +182,15 @@ class Queue:
     def counted_ops(self) -> dict[str, int]:
         """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
         counts = dict(self.op_counts)
-        counts["put"] += self.cmd_put
+        counts["put"] += self.cmd_put + self.lane_puts
         counts["reserve"] += self.cmd_reserve
         counts["delete"] += self.cmd_delete
         counts["reserve-with-timeout"] += self.cmd_reserve_timeout
         return counts
+
+    def jobs_created(self) -> int:
+        """stats' total-jobs: the jobs put since start (the general path's count and the lane's)."""
+        return self.total_jobs + self.lane_puts
 
     # -- tubes -------------------------------------------------------------------
     def _tube_for_client(self, client: Client, name: str) -> Tube | None:
@@ -205,9 +212,13 @@ class Queue:
             self.tubes.append(tube)
         return tube
 
-    def _unref(self, tube: Tube) -> None:
-        tube.refs -= 1
-        if tube.refs <= 0:  # the last job, user and watcher are gone: so is the tube, as in beanstalkd
+    def drop_if_unused(self, tube: Tube) -> None:
+        """Forget a tube that no client uses or watches and that holds no job, as beanstalkd frees it
+        when its last reference goes (the default tube stays). Asked after each of those can have gone:
+        a client's use, ignore or disconnect, and a job's delete. No reference count: the tube's own
+        counts say it, and a put need not count anything for it (broker.lane)."""
+        if not (tube.using or tube.watching or tube.ready_count or tube.reserved_count or tube.delayed_count
+                or tube.buried or tube is self.default_tube):
             del self.tube_by_name[tube.name]
             self.tubes.remove(tube)
             self.waited_tubes.pop(tube, None)
@@ -464,7 +475,6 @@ class Queue:
                 self.listener.job_put(job)
             except StorageFull:
                 return p.OUT_OF_MEMORY
-        tube.refs += 1
         self.jobs.put(job_id, job)
         self.held_bytes += len(body)
         self.total_jobs += 1
@@ -577,5 +587,5 @@ class Queue:
         self.held_bytes -= len(job.body)
         if self.listening:
             self.listener.job_deleted(job)
-        self._unref(tube)
+        self.drop_if_unused(tube)
         return p.DELETED

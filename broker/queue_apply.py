@@ -23,7 +23,6 @@ def apply_job(queue: Queue, job_id: int, tube_name: str, pri: int, delay_ns: int
     job = Job(job_id, tube, pri, delay_ns, ttr_ns // NS, body, created)
     job.set_counters(counters)
     queue.listener.job_put(job)  # may raise StorageFull: nothing was changed yet
-    tube.refs += 1
     queue.jobs.put(job_id, job)
     queue.held_bytes += len(body)
     if job_id >= queue.next_id:
@@ -59,7 +58,7 @@ def apply_delete(queue: Queue, job_id: int) -> None:
     del queue.jobs[job_id]
     queue.held_bytes -= len(job.body)
     queue.listener.job_deleted(job)
-    queue._unref(tube)
+    queue.drop_if_unused(tube)
 
 
 def _place(queue: Queue, job: Job, state: int, deadline: int) -> None:

@@ -88,7 +88,6 @@ class Restorer:
         if counters[0] or counters[1] or counters[2] or counters[3] or counters[4]:
             job.set_counters(counters)
         job.file = file
-        tube.refs += 1
         self.jobs.put(job_id, job)
         self.held += len(body)
         self.count += 1
@@ -123,7 +122,6 @@ class Restorer:
         counts added once."""
         self.jobs.put_lazy(ids, locs)
         count = len(ids)
-        tube.refs += count
         tube.ready_count += count
         tube.urgent_count += urgent
         self.held += held

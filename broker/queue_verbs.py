@@ -19,10 +19,8 @@ def connect(queue: Queue, deliver: Callable[[bytes], None], peer: str = "") -> C
     client = Client(deliver, peer)
     tube = queue.default_tube
     client.use = tube
-    tube.refs += 1
     tube.using += 1
     client.watch.append(tube)
-    tube.refs += 1
     tube.watching += 1
     queue.cur_conns += 1
     queue.tot_conns += 1
@@ -47,10 +45,10 @@ def disconnect(queue: Queue, client: Client) -> None:
             queue._enqueue(job, 0, now)
     for tube in list(client.watch.items):
         tube.watching -= 1
-        queue._unref(tube)
+        queue.drop_if_unused(tube)
     client.watch.items.clear()
     client.use.using -= 1
-    queue._unref(client.use)
+    queue.drop_if_unused(client.use)
     client.deadlines.clear()
     queue.compact_timers()
 
@@ -169,12 +167,11 @@ def use(queue: Queue, client: Client, name: str) -> bytes:
     tube = queue._tube_for_client(client, name)
     if tube is None:
         return p.OUT_OF_MEMORY
-    tube.refs += 1
     old = client.use
     old.using -= 1
     client.use = tube
     tube.using += 1
-    queue._unref(old)
+    queue.drop_if_unused(old)
     return b"USING %s\r\n" % name.encode()
 
 
@@ -184,7 +181,6 @@ def watch(queue: Queue, client: Client, name: str) -> bytes:
         return p.OUT_OF_MEMORY
     if tube not in client.watch:
         client.watch.append(tube)
-        tube.refs += 1
         tube.watching += 1
     return b"WATCHING %d\r\n" % len(client.watch)
 
@@ -197,7 +193,7 @@ def ignore(queue: Queue, client: Client, name: str) -> bytes:
                 return p.NOT_IGNORED
             watch.remove(tube)
             tube.watching -= 1
-            queue._unref(tube)
+            queue.drop_if_unused(tube)
             break
     return b"WATCHING %d\r\n" % len(watch)
 

@@ -149,8 +149,7 @@ class BrokerServer:
         """Close connections with no input for --idle-timeout (never one blocked in reserve)."""
         limit = self.config.limits.idle_timeout
         for conn in list(self.connections):
-            if conn.activity or conn.client.waiting or conn.busy:
-                conn.activity = False
+            if conn.take_activity() or conn.client.waiting or conn.busy:
                 conn.idle_sweeps = 0
                 continue
             conn.idle_sweeps += 1

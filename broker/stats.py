@@ -119,7 +119,7 @@ def _server_lines(queue: Queue) -> list[str]:
     host = queue.host
     return [
         f"job-timeouts: {queue.timeout_ct}",
-        f"total-jobs: {queue.total_jobs}",
+        f"total-jobs: {queue.jobs_created()}",
         f"max-job-size: {queue.max_job_size}",
         f"current-tubes: {len(queue.tubes)}",
         f"current-connections: {queue.cur_conns}",

@@ -51,7 +51,7 @@ def _recover(directory: str, batch: bool, wall_off: int, ignore_damage: bool = F
     jobs = [(job.tube.name, *(getattr(job, f) for f in JOB_FIELDS), job.reserver, job.delay)
             for job in queue.jobs.values()]
     tubes = [(t.name, sorted(t.ready + t.run_entries()), t.delayed, [j.id for j in t.buried.values()],
-              t.ready_count, t.urgent_count, t.delayed_count, t.refs) for t in queue.tubes.items]
+              t.ready_count, t.urgent_count, t.delayed_count, t.using, t.watching) for t in queue.tubes.items]
     counts = (*queue.job_counts(), queue.held_bytes, queue.next_id)
     segments = ({k: list(v) for k, v in tally.home_ids.items()}, tally.live, tally.jobs, tally.buried, tally.bytes)
     return {"scan": scan, "jobs": jobs, "tubes": tubes, "counts": counts, "segments": segments, "files": files,

@@ -85,12 +85,13 @@ else:
                     jobs[job_id] = (job.tube.name, job.pri, job.ttr, job.body, job.state, job.created, job.deadline,
                                     who.get(id(job.reserver)), job.reserves, job.rare, job.file)
             tubes = {t.name: (t.ready_count, t.urgent_count, t.reserved_count, t.delayed_count, t.total_jobs,
-                              t.total_deletes, t.refs, list(t.buried), t.pause, t.unpause_at, t.using, t.watching,
+                              t.total_deletes, list(t.buried), t.pause, t.unpause_at, t.using, t.watching,
                               len(t.waiting.items), t.waiting.last_use, t.ready_entries(), t.ready_run_at)
                      for t in queue.tubes.items}
             counters = {name: getattr(queue, name) for name in (
-                "next_id", "held_bytes", "total_jobs", "cmd_put", "cmd_reserve", "cmd_reserve_timeout",
-                "cmd_delete", "waiting_ct", "producers", "workers")}
+                "next_id", "held_bytes", "cmd_reserve", "cmd_reserve_timeout", "cmd_delete", "waiting_ct",
+                "producers", "workers")}
+            counters.update(total_jobs=queue.jobs_created(), cmd_put=queue.counted_ops()["put"])
             clients = [(sorted(conn.client.reserved), conn.client.waiting, conn.client.ttr_armed,
                         sorted((d, i) for d, i, _ in conn.client.deadlines)) for conn, _ in conns]
             return {"jobs": jobs, "tubes": tubes, "counters": counters, "ops": dict(queue.op_counts),
@@ -389,6 +390,41 @@ else:
                 assert conns[0][1].aborted and conns[0][0].closing
             assert sent > 10  # it was served a while (by the lane: the line is cached from the second put)
             pair.check_state()
+
+        run(body)
+
+    def test_the_idle_sweep_sees_every_client_the_lane_serves() -> None:
+        """The lane notes no input for --idle-timeout: asking for activity closes it until the next packet,
+        which the general path serves and notes. A client that keeps sending is never idle; a silent one is."""
+        def body() -> None:
+            server = BrokerServer(ServerConfig(busy_poll_us=0))
+            conn, transport = connect(server, LaneConnection)
+            put = b"put 5 0 60 1\r\nx\r\n"
+            for _ in range(3):  # the first puts take the general path (a first put; the line kept)
+                conn.data_received(put)
+            assert transport.take().count(b"INSERTED") == 3 and calls_during(conn, put) == []
+            for _ in range(3):
+                assert conn.take_activity() and not conn.take_activity()  # the put above; then nothing since
+                conn.data_received(put)  # after the sweep: the general path, which notes it
+                assert transport.take().startswith(b"INSERTED")
+                assert calls_during(conn, put) == []  # and the lane serves the next one again
+                assert transport.take().startswith(b"INSERTED")
+
+        run(body)
+
+    def test_a_connection_closed_between_packets_is_not_served() -> None:
+        """Closed outside a packet (a failing disk drops its unacknowledged replies, a slow reader's stall
+        timer, a stepping-down leader): the lane answers nothing more, as the general path."""
+        def body() -> None:
+            server = BrokerServer(ServerConfig(busy_poll_us=0))
+            conn, transport = connect(server, LaneConnection)
+            put = b"put 5 0 60 1\r\nx\r\n"
+            for _ in range(2):
+                conn.data_received(put)
+            assert transport.take().count(b"INSERTED") == 2
+            conn.drop_unacknowledged()
+            conn.data_received(put)
+            assert transport.take() == b"" and server.queue.next_id == 3 and transport.aborted
 
         run(body)
 

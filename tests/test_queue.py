@@ -228,6 +228,35 @@ def test_tube_removed_when_unreferenced(queue):
     assert b"- emails" not in queue_verbs.list_tubes(queue, c.client)
 
 
+@pytest.mark.parametrize("state", ["ready", "reserved", "delayed", "buried"])
+def test_a_job_in_any_state_keeps_its_tube_until_deleted(queue, state):
+    """No client uses or watches "emails": its one job, in whatever state, keeps it; its delete drops it."""
+    producer, worker = Conn(queue), Conn(queue)
+    queue_verbs.use(queue, producer.client, "emails")
+    jid = producer.put(delay=1 if state == "delayed" else 0)
+    queue_verbs.use(queue, producer.client, "default")
+    if state in ("reserved", "buried"):
+        queue_verbs.watch(queue, worker.client, "emails")
+        assert job_id(worker.reserve(0)) == jid
+        if state == "buried":
+            assert queue_verbs.bury(queue, worker.client, jid, 0) == p.BURIED
+        queue_verbs.ignore(queue, worker.client, "emails")
+    assert b"- emails" in queue_verbs.list_tubes(queue, producer.client)
+    assert queue.delete(worker.client, jid) == p.DELETED
+    assert b"- emails" not in queue_verbs.list_tubes(queue, producer.client)
+
+
+def test_the_default_tube_stays_with_no_client_and_no_job(queue):
+    c = Conn(queue)
+    queue_verbs.use(queue, c.client, "emails")
+    queue_verbs.watch(queue, c.client, "emails")
+    queue_verbs.ignore(queue, c.client, "default")
+    queue_verbs.disconnect(queue, Conn(queue).client)
+    assert b"- default" in queue_verbs.list_tubes(queue, c.client)
+    queue_verbs.disconnect(queue, c.client)
+    assert [t.name for t in queue.tubes.items] == ["default"]
+
+
 def test_ignore_last_tube_refused(queue):
     c = Conn(queue)
     assert queue_verbs.ignore(queue, c.client, "default") == p.NOT_IGNORED

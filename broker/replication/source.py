@@ -385,7 +385,7 @@ class SyncHold:
         while self.waiting:
             for conn, _data in self.waiting.popleft()[1]:
                 if conn.transport is not None:
-                    conn.closing = True
+                    conn.mark_closing()
                     conn.transport.abort()
         self.held.clear()
 

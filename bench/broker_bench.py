@@ -175,6 +175,29 @@ def med(values):
     return statistics.median(values) if values else None
 
 
+# A row whose repetitions of one server lie further apart than this (max/min - 1) was disturbed: on a
+# shared VM the host's other guests can take 20-30% of a repetition, and a ratio read off such a row is
+# the disturbance, not the servers. The table names those rows (the last column) instead of hiding them.
+UNSTEADY = 0.15
+
+
+def spread(runs: list[dict], metric: str = "ops_per_s") -> float | None:
+    """How far one server's repetitions of a row lie apart: max/min - 1 of ``metric`` (None: fewer than two)."""
+    values = [r[metric] for r in runs if not r.get("failed") and r.get(metric)]
+    return max(values) / min(values) - 1 if len(values) > 1 else None
+
+
+def unsteady(row: dict, limit: float = UNSTEADY) -> dict[str, float]:
+    """The servers of ``row`` whose repetitions lie more than ``limit`` apart, with their spread."""
+    metric = "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
+    found = {}
+    for kind, runs in row.get("runs", {}).items():
+        gap = spread(runs, metric)
+        if gap is not None and gap > limit:
+            found[kind] = gap
+    return found
+
+
 def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if not r.get("failed")]
     if not ok:
@@ -249,7 +272,8 @@ def markdown(rows: list[dict], servers: list[str]) -> str:
     hdr += [label for _, label in ratios]
     for s in servers:
         hdr += [f"{s} CPU us/cmd"]
-    lines = ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * (len(hdr) - 4)) + "|"]
+    hdr += [f"repetitions > {UNSTEADY:.0%} apart"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * (len(hdr) - 5) + ["---"]) + "|"]
     for row in rows:
         cells = [row["workload"], str(row["conns"]), str(row["depth"]), "yes" if row["pinned"] else "no"]
         for s in servers:
@@ -267,8 +291,18 @@ def markdown(rows: list[dict], servers: list[str]) -> str:
             cells += ["-" if r is None else f"{r:.2f}"]
         for s in servers:
             cells += [fmt_num(row["servers"].get(s, {}).get("server_cpu_us_per_op"))]
+        cells += [", ".join(f"{kind} {gap:.0%}" for kind, gap in unsteady(row).items()) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def unsteady_note(rows: list[dict]) -> str:
+    """A line under the table: how many rows were disturbed, so their ratios are not read as results."""
+    shaky = [f"{row['workload']} {row['conns']}x{row['depth']}" for row in rows if unsteady(row)]
+    if not shaky:
+        return f"every row steady: each server's repetitions within {UNSTEADY:.0%} of each other"
+    return (f"{len(shaky)} row(s) unsteady, a server's repetitions more than {UNSTEADY:.0%} apart (the machine, "
+            f"not the servers: rerun them before reading their ratios): {', '.join(shaky)}")
 
 
 def machine_line(meta: dict) -> str:
@@ -437,6 +471,7 @@ def table_from(path: str) -> int:
         add_ratios(row)
     meta = data["meta"]
     print(markdown(rows, servers))
+    print(unsteady_note(rows))
     if "machine" in meta:
         print(f"\n{machine_line(meta)}")
     print(f"\nstarted {meta['started_utc']}, finished {meta.get('finished_utc')}, commit {meta['git']['commit']}"
@@ -534,6 +569,7 @@ def main(argv=None) -> int:
     table = markdown(rows, opts.servers)
     gen_max = max((m.get("client_cpu_pct_max") or 0) for r in rows for m in r["servers"].values())
     print(table)
+    print(unsteady_note(rows))
     print(f"\nstarted {meta['started_utc']}, finished {meta['finished_utc']}, commit {meta['git']['commit']}"
           f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; "
           f"load average at start {meta['loadavg_start'][0]:.2f}, at end {meta['loadavg_end'][0]:.2f}; "

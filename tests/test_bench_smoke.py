@@ -93,6 +93,28 @@ def test_broker_bench_script_one_row(tmp_path):
     assert "load average" in res.stdout
 
 
+def test_an_unsteady_row_is_named_under_the_table():
+    """A server whose repetitions of a row lie more than 15% apart marks the row (the machine was busy),
+    and --table-from names it under the table; drain rows are judged on jobs a second."""
+    bench = _bench_module()
+
+    def rep(ops: float, jobs: float | None = None) -> dict:
+        return {"ops_per_s": ops, "jobs_per_s": jobs or ops, "lat_us": {"p50": 1.0, "p99": 2.0}}
+
+    steady = {"workload": "put", "conns": 50, "depth": 1, "runs": {"ours": [rep(100), rep(110)], "floor": [rep(90)]}}
+    shaky = {"workload": "drain", "conns": 500, "depth": 1,
+             "runs": {"ours": [rep(100, 40), rep(101, 50)], "floor": [rep(100, 50), {"failed": True}]}}
+    assert bench.unsteady(steady) == {} and list(bench.unsteady(shaky)) == ["ours"]
+    assert bench.unsteady_note([steady]).startswith("every row steady")
+    assert bench.unsteady_note([steady, shaky]).endswith(": drain 500x1")
+    for row in (steady, shaky):
+        row["servers"] = {kind: bench.summarize(runs) for kind, runs in row["runs"].items()}
+        row["pinned"] = False
+        bench.add_ratios(row)
+    table = bench.markdown([steady, shaky], ["ours", "floor"])
+    assert table.splitlines()[-1].endswith("| ours 25% |") and table.splitlines()[-2].endswith("| - |")
+
+
 def test_bench_busypoll_one_gap_each_server():
     res = subprocess.run([sys.executable, str(BENCH / "bench_busypoll.py"), "--gaps", "0", "--seconds", "0.3"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -114,8 +114,9 @@ class LaneConnection(BrokerConnection):
             queue.next_id = job_id + 1
             now = queue.clock()
             created = queue.recent_now
-            if now - created >= CREATED_GRAIN or now < created:
+            if now >= queue.recent_until or now < created:
                 created = queue.recent_now = now
+                queue.recent_until = now + CREATED_GRAIN
             job: Job = _object_new(Job)  # model.new_job, every slot
             job.id = job_id
             job.tube = tube

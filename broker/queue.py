@@ -138,6 +138,9 @@ class Queue:
         self.jobs: JobTable[Job] = JobTable()  # by id, in pages: ids are handed out in order
         # Memory per job (interpreted build): equal ints shared, not one object per job each
         self.recent_now = 0
+        # recent_now + CREATED_GRAIN, kept with it: the test below is two compares, not a subtraction too
+        # (interpreted, that is a new int object on every put)
+        self.recent_until = 0
         self.int_pool: dict[int, int] = {}
         self.next_id = 1
         self.timers = TimerHeap(self._timer_is_current)
@@ -456,8 +459,9 @@ class Queue:
         created = now
         if not delay:  # jobs put within a millisecond share one `created` int (a delayed job's deadline is exact)
             created = self.recent_now
-            if now - created >= CREATED_GRAIN or now < created:
+            if now >= self.recent_until or now < created:
                 created = self.recent_now = now
+                self.recent_until = now + CREATED_GRAIN
         delay_ns = delay * NS
         if COMPILED:  # Job() is a direct C call
             job = Job(job_id, tube, pri, delay_ns, ttr or 1, body, created)  # TTR 0 means 1 s

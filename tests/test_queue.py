@@ -7,7 +7,7 @@ from broker import protocol as p
 from broker import queue_timers, queue_verbs
 from broker import stats as broker_stats
 from broker.model import READY_BITS
-from broker.queue import NS, Queue
+from broker.queue import CREATED_GRAIN, NS, Queue
 
 
 class FakeClock:
@@ -255,6 +255,21 @@ def test_the_default_tube_stays_with_no_client_and_no_job(queue):
     assert b"- default" in queue_verbs.list_tubes(queue, c.client)
     queue_verbs.disconnect(queue, c.client)
     assert [t.name for t in queue.tubes.items] == ["default"]
+
+
+def test_jobs_put_within_a_millisecond_share_their_created_time(queue, clock):
+    """`created` may be up to CREATED_GRAIN early (ages are whole seconds), so that such jobs share one int;
+    a put one grain later, or after the clock stepped back, takes the time of its own put."""
+    c = Conn(queue)
+    start = clock.now
+    ids = [c.put()]
+    clock.now += CREATED_GRAIN - 1
+    ids.append(c.put())
+    clock.now += 1
+    ids.append(c.put())
+    clock.now -= 10 * NS
+    ids.append(c.put())
+    assert [queue.jobs[i].created for i in ids] == [start, start, start + CREATED_GRAIN, clock.now]
 
 
 def test_ignore_last_tube_refused(queue):

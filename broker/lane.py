@@ -15,8 +15,9 @@ each is in its plainest form, without any of those calls:
 * ``delete`` of a job the client holds.
 
 It serves on a broker without a binlog and without auth (``server.connection_class``), and only
-while the connection is *open* to it (``lane_open``: nothing buffered or half-read, no reserve waiting,
-replies not paused), which the general path decides after each packet it serves.
+while the connection is *open* to it (``lane_open``: not closing, nothing buffered or half-read, no reserve
+waiting, replies not paused, input noted for the idle sweep), which the general path decides after each packet
+it serves.
 Everything else, and every case with a condition above unmet, goes to
 :meth:`BrokerConnection.handle_input` before anything changed: the lane is the same
 state change as the general path, written flat, never a different rule. Each branch says

@@ -176,9 +176,14 @@ def med(values):
 
 
 # A row whose repetitions of one server lie further apart than this (max/min - 1) was disturbed: on a
-# shared VM the host's other guests can take 20-30% of a repetition, and a ratio read off such a row is
-# the disturbance, not the servers. The table names those rows (the last column) instead of hiding them.
+# shared VM something outside it can take 20-30% of a repetition, and a ratio read off such a row is the
+# disturbance, not the servers. The table names those rows (the last column) instead of hiding them.
 UNSTEADY = 0.15
+
+
+def row_metric(row: dict) -> str:
+    """What a row is judged on: jobs a second for drain (a drained job is two commands), else ops a second."""
+    return "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
 
 
 def spread(runs: list[dict], metric: str = "ops_per_s") -> float | None:
@@ -189,7 +194,7 @@ def spread(runs: list[dict], metric: str = "ops_per_s") -> float | None:
 
 def unsteady(row: dict, limit: float = UNSTEADY) -> dict[str, float]:
     """The servers of ``row`` whose repetitions lie more than ``limit`` apart, with their spread."""
-    metric = "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
+    metric = row_metric(row)
     found = {}
     for kind, runs in row.get("runs", {}).items():
         gap = spread(runs, metric)
@@ -245,7 +250,7 @@ REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"), ("ceiling", "ceiling"))
 
 def add_ratios(row: dict) -> None:
     """ours/beanstalkd and ours/floor on ops/s (jobs/s for drain), for each build of ours."""
-    metric = "jobs_per_s" if row["workload"] == "drain" else "ops_per_s"
+    metric = row_metric(row)
     ratios = {}
     for ours in OURS:
         o = row["servers"].get(ours, {}).get(metric)

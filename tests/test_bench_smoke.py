@@ -187,3 +187,18 @@ def test_breakdown_one_row_of_ours(tmp_path):
     assert r["shares_pct"]["kernel"] > 5 and r["shares_pct"]["cpython"] > 5
     if data["meta"]["builds"]["ours"].startswith("compiled"):
         assert r["shares_pct"]["own"] > 0  # samples inside broker/*.so
+
+
+def test_bench_fill_reports_the_longest_round_trip(tmp_path):
+    out = tmp_path / "fill.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_fill.py"), "--servers", "beanstalkd,ours", "--conns", "2",
+                          "--seconds", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["server"] for r in rows] == ["beanstalkd", "ours"]
+    for r in rows:
+        assert r["ops"] > 100 and r["errors"] == 0 and 0 < r["lat_us"]["p50"] <= r["lat_us"]["max"], r
+    assert "| ours |" in res.stdout and "longest" in res.stdout and "load average" in res.stdout
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_fill.py"), "--servers", "floor"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown server floor" in bad.stderr

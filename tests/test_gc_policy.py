@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker.server import GC_MIDDLE, GC_YOUNG, tune_gc
+from broker.server import GC_MIDDLE, GC_OLD, GC_YOUNG, tune_gc
 
 # ~0.1-0.25 us an object visited: 100,000 is a pause of 10-25 ms, against ~230 ms before.
 MAX_VISITED = 100_000
@@ -47,5 +47,8 @@ def test_young_collections_stay_small_while_a_million_jobs_pile_up(broker_gc: li
     assert max(broker_gc) <= MAX_VISITED, f"a collection visited {max(broker_gc):,} objects"
 
 
-def test_the_policy_bounds_a_young_collection() -> None:
+def test_the_policy_bounds_a_young_collection_and_keeps_full_ones_rare() -> None:
     assert GC_YOUNG * (GC_MIDDLE + 2) <= MAX_VISITED
+    # A full collection visits every held job: no more often than the old thresholds allowed (~100 million
+    # allocations between them, before the collector's own rule of 25% growth).
+    assert GC_YOUNG * (GC_MIDDLE + 1) * GC_OLD >= 100_000_000

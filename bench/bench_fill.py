@@ -29,15 +29,9 @@ servers = bb.servers
 
 
 def one_run(kind: str, conns: int, seconds: float) -> dict:
-    srv = bb.start_server(kind, [], benchlib.OUT / "logs")
-    try:
-        base = ["-h", srv.host, "-p", str(srv.port), "-P", str(srv.pid), "-s", "100"]
-        data = bb.run_loadgen(base + ["-w", "put", "-c", str(conns), "-d", "1", "-t", str(seconds), "-W", "0.2",
-                                      "-T", "bench"], None, timeout=seconds + 120)
-        data["server_vmhwm"] = bb.proc_status(srv.pid, "VmHWM")
-        return {"server": kind, **data}
-    finally:
-        srv.stop(timeout=30)
+    """broker_bench's put row at depth 1 (a fresh server, the load generator, its peak RSS), for longer."""
+    opts = argparse.Namespace(ours_args=[], floor=None, body=100, seconds=seconds, warmup=0.2)
+    return {"server": kind, **bb.one_run(kind, "put", conns, 1, False, opts)}
 
 
 def table(rows: list[dict]) -> str:

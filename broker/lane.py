@@ -93,6 +93,7 @@ class LaneConnection(BrokerConnection):
         # self.out is empty here: every path of the general one writes out what it gathered before it returns.
         client = self.client
         queue = self.queue
+        job: Job | None  # put's new job; reserve's least top so far
         first = data[0]
         if first == 112:  # "p": put (Decoder.parse_packet + Queue.put + _enqueue + JobTable.put)
             line, _, rest = data.partition(b"\r\n")  # a cached line holds no CR: this is its first one
@@ -118,7 +119,7 @@ class LaneConnection(BrokerConnection):
             if now >= queue.recent_until or now < created:
                 created = queue.recent_now = now
                 queue.recent_until = now + CREATED_GRAIN
-            job: Job = _object_new(Job)  # model.new_job, every slot
+            job = _object_new(Job)  # model.new_job, every slot
             job.id = job_id
             job.tube = tube
             job.pri = pri
@@ -193,7 +194,7 @@ class LaneConnection(BrokerConnection):
                         self._general(data)
                         return
             jobs = queue.jobs
-            best: Job | None = None  # the least (pri, id) among the watched tubes' tops, as _fast_reserve
+            job = None  # the least (pri, id) among the watched tubes' tops, as _fast_reserve
             in_run = False
             for tube in client.watch.items:
                 if not tube.ready_count:
@@ -223,17 +224,17 @@ class LaneConnection(BrokerConnection):
                 if top is None or top.state != READY or top.pri != entry >> tube.ready_shift:
                     self._general(data)  # a stale entry on top: the general path drops it
                     return
-                if best is None or top.pri < best.pri or (top.pri == best.pri and top.id < best.id):
-                    best = top
+                if job is None or top.pri < job.pri or (top.pri == job.pri and top.id < job.id):
+                    job = top
                     in_run = top_in_run
-            if best is None:
+            if job is None:
                 self._general(data)
                 return
-            job = best
-            tube = job.tube
-            heap = tube.ready
-            run = tube.ready_run
-            at = tube.ready_run_at
+            if job.tube is not tube:  # the best top is not the last watched tube's: its tube's lists
+                tube = job.tube
+                heap = tube.ready
+                run = tube.ready_run
+                at = tube.ready_run_at
             if timed:
                 queue.cmd_reserve_timeout += 1
             else:
@@ -265,15 +266,16 @@ class LaneConnection(BrokerConnection):
             tube.reserved_count += 1
             client.pending_timeout = -1
             armed = client.ttr_armed
-            if not armed or deadline < armed:
-                queue.arm_ttr(client, deadline)
             body = job.body
-            self.transport.write(b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(body), body))
+            reply = b"RESERVED %d %d\r\n%s\r\n" % (job.id, len(body), body)
+            if not armed or deadline < armed:  # Queue.arm_ttr: the only timer this branch pushes
+                queue.arm_ttr(client, deadline)
+                self.transport.write(reply)
+                self._after_write()  # its LoopTimer.check
+                return
+            self.transport.write(reply)
             if not self.lane_open:  # the write paused (pause_writing)
                 self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
-            timer = self.timer
-            if timer.heap.earliest_pushed < timer.when:  # LoopTimer.check: the reserve's TTR is on the timer heap
-                timer.reschedule()
             return
         elif first == 100:  # "d": delete of a job this client holds (Queue.delete + _unreserve)
             line = data[7:-2]

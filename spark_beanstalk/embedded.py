@@ -6,6 +6,7 @@ the benchmarks. One place, so every caller waits for readiness the same way.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -174,6 +175,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+SPAWN_ATTEMPTS = 3
+
+
+def spawn(argv: Sequence[str], out: IO[bytes] | int, env: dict[str, str] | None,
+          preexec: Callable[[], None] | None,
+          popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (stdin closed, stdout and stderr to ``out``), again if its exec failed with EFAULT.
+
+    Why: a test run starts servers from several threads at once, and once in CI a child's exec
+    of this very interpreter failed with "[Errno 14] Bad address" (CPython 3.11 forks with vfork);
+    nothing in the command was wrong, and a second start works. Every other error is raised at once.
+    """
+    for attempt in range(SPAWN_ATTEMPTS):
+        try:
+            return popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, preexec_fn=preexec)
+        except OSError as exc:
+            if exc.errno != errno.EFAULT or attempt == SPAWN_ATTEMPTS - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class ServerProcess:
     """A running server child process listening on host:port."""
@@ -221,8 +244,7 @@ class ServerProcess:
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.stderr_path:
             self._stderr_file = out = open(self.stderr_path, "ab")  # noqa: SIM115 (open while the child runs)
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env,
-                                     preexec_fn=self.preexec)
+        self.proc = spawn(self.argv, out, self.env, self.preexec)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except BaseException:

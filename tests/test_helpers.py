@@ -1,12 +1,16 @@
-"""The shared test helpers themselves: wait_until's contract, free_port's pool, the port retry of ServerProcess."""
+"""The shared test helpers themselves: wait_until's contract, free_port's pool, the port retry of ServerProcess, the
+retried start (spawn)."""
 from __future__ import annotations
 
+import errno
+import os
 import socket
+import subprocess
 import time
 
 import pytest
 
-from spark_beanstalk.embedded import PORT_POOL_LOW, ephemeral_ports, listens_on
+from spark_beanstalk.embedded import PORT_POOL_LOW, SPAWN_ATTEMPTS, ephemeral_ports, listens_on, spawn
 from tests.helpers import broker_process, free_port, wait_until
 
 
@@ -114,3 +118,35 @@ def test_a_server_that_loses_its_port_to_another_listener_moves_on() -> None:
                 assert conn.recv(100) == b"USING default\r\n"
         finally:
             proc.stop()
+
+
+class _FailingPopen:
+    """A stand-in for subprocess.Popen that fails with the given errnos, then starts ``true``."""
+
+    def __init__(self, *errnos: int) -> None:
+        self.errnos = list(errnos)
+        self.calls = 0
+
+    def __call__(self, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
+        self.calls += 1
+        if self.errnos:
+            code = self.errnos.pop(0)
+            raise OSError(code, os.strerror(code), argv[0])
+        return subprocess.Popen(["true"])
+
+
+def test_a_start_whose_exec_hit_efault_is_tried_again() -> None:
+    popen = _FailingPopen(errno.EFAULT)
+    proc = spawn(["true"], subprocess.DEVNULL, None, None, popen=popen)
+    assert proc.wait(10) == 0 and popen.calls == 2
+
+
+def test_a_start_fails_at_once_on_other_errors_and_after_the_last_efault() -> None:
+    popen = _FailingPopen(errno.ENOENT)
+    with pytest.raises(FileNotFoundError):
+        spawn(["true"], subprocess.DEVNULL, None, None, popen=popen)
+    assert popen.calls == 1
+    popen = _FailingPopen(*[errno.EFAULT] * SPAWN_ATTEMPTS)
+    with pytest.raises(OSError) as info:
+        spawn(["true"], subprocess.DEVNULL, None, None, popen=popen)
+    assert info.value.errno == errno.EFAULT and popen.calls == SPAWN_ATTEMPTS

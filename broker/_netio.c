@@ -17,6 +17,8 @@ methods they use, with asyncio's semantics:
   the connection, as asyncio's ``_fatal_error`` does;
 * ``write()`` calls ``pause_writing()`` above the high-water mark and ``resume_writing()``
   once the buffer falls to the low-water mark.
+* after ``connection_lost`` the transport holds neither the protocol nor the socket
+  (``get_protocol()`` is None), so a closed connection is freed by reference counting.
 
 Interpreted builds (SPARK_BEANSTALK_PURE=1, no C compiler) use uvloop's own transports.
 */
@@ -575,6 +577,13 @@ static PyObject *Transport_call_connection_lost(Transport *t, PyObject *exc)
     if (r == NULL)
         PyErr_WriteUnraisable(t->sock);
     Py_XDECREF(r);
+    /* As asyncio's transports: let the protocol and the socket go, so that the protocol's reference
+       back to this transport is no cycle for the garbage collector to find (None, not NULL: every
+       other method may still run). */
+    Py_INCREF(Py_None);
+    Py_SETREF(t->protocol, Py_None);
+    Py_INCREF(Py_None);
+    Py_SETREF(t->sock, Py_None);
     t->poller->live--;
     PyMem_Free(t->wbuf);
     t->wbuf = NULL;

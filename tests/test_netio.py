@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import os
 import socket
@@ -459,3 +460,54 @@ def test_a_client_flooding_commands_does_not_hold_the_loop(tmp_path: Any, transp
         stop.set()
         flood.close()
         proc.stop()
+
+
+@pytest.mark.parametrize("transport", ["c", "uvloop"])
+def test_a_closed_connection_leaves_no_reference_cycle(transport: str) -> None:
+    """A client that goes away, whatever it held (a reserved job, its own tube, a reserve still
+    waiting), is freed by reference counting: nothing of its connection is left for the cyclic
+    collector, which visits a broker's old objects rarely (server.tune_gc), so a cycle would keep a
+    closed connection's objects and buffers for a long time. The C transport kept its protocol after
+    connection_lost, a cycle with the connection's ``transport``, until it let it go as asyncio's do."""
+    from broker.server import BrokerServer
+    from broker.state import ServerConfig
+    from spark_beanstalk.client import Connection
+    from spark_beanstalk.embedded import free_port
+
+    if transport == "c":
+        c_transport()
+
+    def clients(port: int) -> None:
+        for i in range(20):
+            with Connection("127.0.0.1", port, timeout=TIMEOUT) as conn:
+                conn.use(f"own-{i}")
+                conn.put(b"job")
+                conn.watch_only([f"own-{i}"])
+                assert len(conn.reserve_many(1)[0]) == 1  # held when the client goes
+                assert conn.call("no-such-command").status == b"UNKNOWN_COMMAND"
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as raw:
+                raw.sendall(b"watch empty\r\nreserve-with-timeout 30\r\n")
+                assert raw.recv(100) == b"WATCHING 2\r\n"
+
+    async def body() -> None:
+        server = BrokerServer(ServerConfig(listen="127.0.0.1", port=free_port()))
+        if transport == "uvloop":
+            server.netio = None
+        assert server.transport_name == transport, server.transport_reason
+        await server.start()
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage, to name it
+        try:
+            thread = threading.Thread(target=clients, args=(server.config.port,))
+            thread.start()
+            await wait_until_async(lambda: not thread.is_alive(), 60, "the clients")
+            await wait_until_async(lambda: not server.connections, TIMEOUT, "every connection gone")
+            gc.collect()
+            left = sorted({type(o).__name__ for o in gc.garbage})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            await server.close()
+        assert left == [], f"closed connections left reference cycles of {left}"
+
+    run(body)

@@ -183,9 +183,10 @@ def spawn(argv: Sequence[str], out: IO[bytes] | int, env: dict[str, str] | None,
           popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen) -> subprocess.Popen[bytes]:
     """Start ``argv`` (stdin closed, stdout and stderr to ``out``), again if its exec failed with EFAULT.
 
-    Why: a test run starts servers from several threads at once, and once in CI a child's exec
-    of this very interpreter failed with "[Errno 14] Bad address" (CPython 3.11 forks with vfork);
-    nothing in the command was wrong, and a second start works. Every other error is raised at once.
+    Why: a test run starts servers from several threads at once, and once (a full run of the
+    suite on the CI machine's kind) a child's exec of this very interpreter failed with "[Errno 14]
+    Bad address" (CPython 3.11 forks with vfork); nothing in the command was wrong. Every other
+    error is raised at once.
     """
     for attempt in range(SPAWN_ATTEMPTS):
         try:

@@ -25,7 +25,10 @@ import pytest
 import uvloop
 
 from broker import _build, netio
-from tests.helpers import ServerProcess, broker_process, wait_until, wait_until_async
+from broker.server import BrokerServer
+from broker.state import ServerConfig
+from spark_beanstalk.client import Connection
+from tests.helpers import ServerProcess, broker_process, free_port, wait_until, wait_until_async
 
 TIMEOUT = 10.0
 
@@ -469,11 +472,6 @@ def test_a_closed_connection_leaves_no_reference_cycle(transport: str) -> None:
     collector, which visits a broker's old objects rarely (server.tune_gc), so a cycle would keep a
     closed connection's objects and buffers for a long time. The C transport kept its protocol after
     connection_lost, a cycle with the connection's ``transport``, until it let it go as asyncio's do."""
-    from broker.server import BrokerServer
-    from broker.state import ServerConfig
-    from spark_beanstalk.client import Connection
-    from spark_beanstalk.embedded import free_port
-
     if transport == "c":
         c_transport()
 

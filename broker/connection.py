@@ -282,7 +282,9 @@ class BrokerConnection(asyncio.Protocol):
             self._process()
             if not self.client.waiting or self.closing:
                 self.close()
-        return True
+        # True keeps a half-closed TCP connection open for the replies still due. A TLS transport closes
+        # anyway, and asyncio's (without uvloop) logs a warning for every such True.
+        return self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.mark_closing()

@@ -1,6 +1,7 @@
 """Shared fixtures: real server processes on free ports, one SparkSession per session."""
 from __future__ import annotations
 
+import datetime as _dt
 import itertools
 import os
 from pathlib import Path
@@ -121,3 +122,63 @@ def spark():
     session = get_spark("spark-beanstalk-tests")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A CA, a server certificate (localhost, 127.0.0.1), a client certificate from the CA, and a
+    client certificate from an unrelated CA; all PEM files."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    d = tmp_path_factory.mktemp("tls")
+    now = _dt.datetime.now(_dt.UTC)
+
+    def key():
+        return ec.generate_private_key(ec.SECP256R1())
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(path, cert, k):
+        (d / f"{path}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{path}.key").write_bytes(k.private_bytes(serialization.Encoding.PEM,
+                                                        serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+
+    def ca(cn):
+        k = key()
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(k.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - _dt.timedelta(hours=1))
+                .not_valid_after(now + _dt.timedelta(days=2))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                             content_commitment=False, key_encipherment=False,
+                                             data_encipherment=False, key_agreement=False, encipher_only=False,
+                                             decipher_only=False), critical=True)
+                .sign(k, hashes.SHA256()))
+        return cert, k
+
+    def leaf(cn, ca_cert, ca_key, usage, san=None):
+        k = key()
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
+             .public_key(k.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - _dt.timedelta(hours=1)).not_valid_after(now + _dt.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(ca_key, hashes.SHA256()), k
+
+    ca_cert, ca_key = ca("spark-beanstalk test CA")
+    write("ca", ca_cert, ca_key)
+    write("server", *leaf("localhost", ca_cert, ca_key, ExtendedKeyUsageOID.SERVER_AUTH,
+                          [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
+    write("client", *leaf("worker-1", ca_cert, ca_key, ExtendedKeyUsageOID.CLIENT_AUTH))
+    rogue_cert, rogue_key = ca("rogue CA")
+    write("rogue", *leaf("intruder", rogue_cert, rogue_key, ExtendedKeyUsageOID.CLIENT_AUTH))
+    return d

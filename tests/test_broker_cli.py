@@ -13,7 +13,6 @@ import pytest
 
 from spark_beanstalk.client import Connection
 from tests.helpers import ServerProcess, broker_process, free_port, wait_until
-from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -199,7 +198,7 @@ def test_config_file_with_wrong_types_is_a_clear_error(tmp_path, text, why):
     assert re.search(why, result.stderr), result.stderr
 
 
-def test_unusable_tls_files_are_a_clear_error(tmp_path, certs):  # noqa: F811  (certs: the fixture)
+def test_unusable_tls_files_are_a_clear_error(tmp_path, certs):
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
     cases = [(["--tls-cert", str(bad), "--tls-key", str(bad)], "--tls-cert"),

@@ -30,7 +30,6 @@ from tests.helpers import (
     member_stats,
     wait_until,
 )
-from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 FAILOVER_LIMIT = 3.0
 # A snapshot of 300,000 jobs in one step held the leader's loop 0.8 s on the Intel Xeon VM (150,000 already outlasted
@@ -569,7 +568,7 @@ def test_a_paused_tube_stays_paused_through_a_failover(tmp_path, etcd, started):
         assert conn.reserve(timeout=0) is None  # the job is ready, but its tube is paused
 
 
-def test_a_tls_replica_under_etcd_keeps_its_stream(tmp_path, etcd, started, certs):  # noqa: F811
+def test_a_tls_replica_under_etcd_keeps_its_stream(tmp_path, etcd, started, certs):
     """Every election poll (0.1 s) tells a replica where the leader is; it keeps its stream when the
     target is unchanged. With TLS the target held a new SSL context each time, and contexts compare
     by identity: the replica reconnected at every poll (and could never finish a long snapshot)."""

@@ -17,11 +17,12 @@ the conf/broker.toml keys, and that refusals are logged with the client's addres
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import datetime as _dt
 import errno
 import functools
 import inspect
+import logging
 import os
 import resource
 import socket
@@ -33,8 +34,20 @@ from pathlib import Path
 
 import pytest
 
+from broker.security import TlsConfig
+from broker.server import BrokerServer, ServerConfig
+from spark_beanstalk.client import Connection
 from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process, wait_for_port
-from tests.helpers import ServerProcess, broker_process, cpu_seconds, free_port, sample, scrape, wait_until
+from tests.helpers import (
+    ServerProcess,
+    broker_process,
+    cpu_seconds,
+    free_port,
+    sample,
+    scrape,
+    wait_until,
+    wait_until_async,
+)
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -281,66 +294,6 @@ def has_flag(flag: str) -> bool:
 # ----------------------------------------------------------------------------------------
 # TLS material
 # ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    """A CA, a server certificate (localhost, 127.0.0.1), a client certificate from the CA, and a
-    client certificate from an unrelated CA; all PEM files."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    d = tmp_path_factory.mktemp("tls")
-    now = _dt.datetime.now(_dt.UTC)
-
-    def key():
-        return ec.generate_private_key(ec.SECP256R1())
-
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write(path, cert, k):
-        (d / f"{path}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{path}.key").write_bytes(k.private_bytes(serialization.Encoding.PEM,
-                                                        serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))
-
-    def ca(cn):
-        k = key()
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(k.public_key())
-                .serial_number(x509.random_serial_number()).not_valid_before(now - _dt.timedelta(hours=1))
-                .not_valid_after(now + _dt.timedelta(days=2))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                             content_commitment=False, key_encipherment=False,
-                                             data_encipherment=False, key_agreement=False, encipher_only=False,
-                                             decipher_only=False), critical=True)
-                .sign(k, hashes.SHA256()))
-        return cert, k
-
-    def leaf(cn, ca_cert, ca_key, usage, san=None):
-        k = key()
-        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
-             .public_key(k.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - _dt.timedelta(hours=1)).not_valid_after(now + _dt.timedelta(days=2))
-             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        return b.sign(ca_key, hashes.SHA256()), k
-
-    ca_cert, ca_key = ca("spark-beanstalk test CA")
-    write("ca", ca_cert, ca_key)
-    write("server", *leaf("localhost", ca_cert, ca_key, ExtendedKeyUsageOID.SERVER_AUTH,
-                          [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
-    write("client", *leaf("worker-1", ca_cert, ca_key, ExtendedKeyUsageOID.CLIENT_AUTH))
-    rogue_cert, rogue_key = ca("rogue CA")
-    write("rogue", *leaf("intruder", rogue_cert, rogue_key, ExtendedKeyUsageOID.CLIENT_AUTH))
-    return d
-
-
 def client_ctx(certs: Path, client: str | None = None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
     if client:
@@ -853,6 +806,30 @@ def test_tls_silent_before_handshake_is_idle_too(start_broker, clients, certs):
                                         f"{time.monotonic() - t0:.1f}s with --idle-timeout 1")
 
 
+def test_a_tls_client_that_hangs_up_is_not_a_warning_on_asyncios_own_loop(certs, caplog):
+    """Without uvloop (it is optional) the broker runs on asyncio's loop, whose TLS transport logs a
+    warning whenever the protocol's eof_received asks to stay half-open: one per TLS client that hung
+    up. The broker asks that only of a plain TCP transport (half-closed clients still get their replies)."""
+    async def body() -> None:
+        port = free_port()
+        tls = TlsConfig(cert=str(certs / "server.crt"), key=str(certs / "server.key"))
+        server = BrokerServer(ServerConfig(listen="127.0.0.1", port=port, tls=tls))
+        await server.start()
+        try:
+            def hang_up() -> None:
+                for _ in range(3):
+                    with Connection("127.0.0.1", port, tls=True, ca_file=str(certs / "ca.crt")) as conn:
+                        conn.put(b"x")
+            await asyncio.wait_for(asyncio.to_thread(hang_up), 30)
+            await wait_until_async(lambda: not server.connections, 10, "the connections closed")
+        finally:
+            await server.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(body())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_tls_on_second_listener(start_broker, clients, certs):
     tls_port = free_port()
     proc = start_broker("--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
@@ -897,8 +874,6 @@ def test_tls_client_certificate_required(start_broker, clients, certs):
 
 
 def test_connector_speaks_tls_and_auth_if_available(start_broker, certs, tmp_path):
-    from spark_beanstalk.client import Connection
-
     params = inspect.signature(Connection.__init__).parameters
     if not {"tls", "ca_file", "auth_token"} <= set(params):
         pytest.skip("spark_beanstalk.client.Connection has no tls/ca_file/auth_token arguments yet")

@@ -13,7 +13,6 @@ import pytest
 
 from spark_beanstalk.client import Connection
 from tests.helpers import free_port, http_get, member_process, wait_until
-from tests.test_hardening import certs  # noqa: F401  (the TLS material fixture)
 
 
 def _client(proc) -> greenstalk.Client:
@@ -163,7 +162,7 @@ def test_sync_replicas_hold_the_reply_until_a_replica_has_the_record(tmp_path):
         primary.stop()
 
 
-def test_stream_over_tls_with_the_brokers_token(tmp_path, certs):  # noqa: F811  (certs: the fixture)
+def test_stream_over_tls_with_the_brokers_token(tmp_path, certs):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     wrong = tmp_path / "wrong"

@@ -68,8 +68,11 @@ class TimerHeap:
 
     def compact(self, live_estimate: int) -> None:
         """Drop stale entries when they dominate (called now and then by the owner)."""
-        heap = self._heap
-        if len(heap) > 2 * live_estimate + 1024:
-            is_current = self._is_current
-            self._heap = [e for e in heap if is_current(e[0], e[2], e[3])]
-            heapq.heapify(self._heap)
+        if len(self._heap) > 2 * live_estimate + 1024:
+            self.prune()
+
+    def prune(self) -> None:
+        """Drop every stale entry now, and the objects it held (a closed client, a deleted job)."""
+        is_current = self._is_current
+        self._heap = [e for e in self._heap if is_current(e[0], e[2], e[3])]
+        heapq.heapify(self._heap)

@@ -132,6 +132,26 @@ def test_ttr_timer_is_one_entry_a_connection_and_expires_each_job_on_time(queue,
     assert queue.timeout_ct == 3 and not c.client.reserved
 
 
+def test_stale_timer_entries_are_bounded_and_prune_drops_them_all(queue):
+    """A closed client's TTR entry and a deleted delayed job's entry stay in the timer heap (lazy
+    invalidation) and hold their objects: at most 2 x live + 1024 of them (compact_timers, after every
+    disconnect), and none after ``prune``."""
+    keeper = Conn(queue)
+    live = [keeper.put(delay=3600) for _ in range(10)]  # ten live entries
+    for i in range(3000):
+        c = Conn(queue)
+        held = job_id(c.reserve(0) if c.put(b"job %d" % i, pri=1) else None)  # its TTR entry
+        assert queue.delete(c.client, held) == p.DELETED
+        queue_verbs.disconnect(queue, c.client)  # the entry is stale, and holds the closed client
+        gone = keeper.put(delay=3600)
+        assert queue.delete(keeper.client, gone) == p.DELETED  # a stale delayed entry
+        assert len(queue.timers) <= 2 * (len(queue.jobs) + queue.cur_conns + len(queue.tubes)) + 1024 + 2
+    assert len(queue.jobs) == len(live)
+    assert len(queue.timers) > len(live) + 2  # some stale entries are still held (6,000 were made)
+    queue.timers.prune()
+    assert len(queue.timers) == len(live)
+
+
 def test_ttr_zero_becomes_one_second(queue):
     c = Conn(queue)
     reply = queue.put(c.client, 0, 0, 0, b"x")

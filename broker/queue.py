@@ -249,7 +249,7 @@ class Queue:
             heappush(tube.delayed, heap_entry(job.deadline, job.id))
             job.state = DELAYED
             tube.delayed_count += 1
-            self.timers.push(job.deadline, DELAYED_READY, job)
+            self.timers.push(job.deadline, DELAYED_READY, job.id)  # the id: a stale entry must not keep the job
         else:
             tube.push_ready(job.pri, job.id)
             job.state = READY
@@ -402,13 +402,17 @@ class Queue:
         self.timers.compact(len(self.jobs) + self.cur_conns + len(self.tubes))
 
     def _timer_is_current(self, when: int, kind: int, owner: object) -> bool:
-        """Whether a timer entry still stands (its owner: a Job, a Client or a Tube, by kind)."""
+        """Whether a timer entry still stands (its owner: a job's id, a Client or a Tube, by kind).
+
+        A delayed job's entry names its id, not the job: a job deleted or kicked before its time leaves its
+        entry behind until it comes due or the heap is rebuilt, and the job's body with it would be memory
+        held for nothing (cancelled delayed jobs: up to twice the live jobs' bodies)."""
         if kind == TTR_EXPIRY:
             client = cast(Client, owner)
             return client.ttr_armed == when and not client.closed
         if kind == DELAYED_READY:
-            job = cast(Job, owner)
-            return job.state == DELAYED and job.deadline == when
+            job = self.jobs.get(cast(int, owner))
+            return job is not None and job.state == DELAYED and job.deadline == when
         if kind == CLIENT_TICK:
             client = cast(Client, owner)
             return client.waiting and client.tick_at == when and not client.closed

@@ -100,7 +100,7 @@ class Restorer:
             tube.delayed.append(heap_entry(deadline, job_id))
             job.state = _DELAYED
             tube.delayed_count += 1
-            self.queue.timers.push(deadline, _DELAYED_READY, job)
+            self.queue.timers.push(deadline, _DELAYED_READY, job_id)
         else:
             tube.push_ready(pri, job_id)  # ids in order (the usual binlog) queue on the run: no heapify
             job.state = _READY

@@ -24,7 +24,7 @@ def tick(queue: Queue) -> None:
     now = queue.clock()
     for _when, kind, owner in queue.timers.pop_due(now):
         if kind == DELAYED_READY:
-            job = cast(Job, owner)
+            job = cast(Job, queue.jobs.get(cast(int, owner)))  # current (pop_due checked): the job is there
             queue._remove_delayed(job)
             queue._enqueue(job, 0, now)
         elif kind == TTR_EXPIRY:

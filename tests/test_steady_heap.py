@@ -9,7 +9,7 @@ collection) between the early and the late rounds.
 
 What may grow, and is bounded: the line caches (a fixed set of lines here, so they fill in
 the first rounds) and the timer heap's stale entries (a closed client's TTR, a deleted
-delayed job), which hold their objects until they come due or the heap drops them
+delayed job's id), which hold what they name until they come due or the heap drops them
 (``TimerHeap.compact``: more stale entries than 2 x live + 1024, tested in test_queue.py).
 Each sample prunes them first (``TimerHeap.prune``), so what is left is what nothing bounds.
 """

@@ -183,9 +183,11 @@ class LaneConnection(BrokerConnection):
                 # is answered only when no watched tube has a ready job (then the lane falls back below); its
                 # look at the soonest deadline drops stale entries, so the lane needs a live one on top.
                 deadlines = client.deadlines
-                if (not deadlines or (queue.reserve_cap and len(reserved) >= queue.reserve_cap)
-                        or deadlines[0][2].reserver is not client or deadlines[0][2].state != RESERVED
-                        or deadlines[0][2].deadline != deadlines[0][0]):
+                if not deadlines or (queue.reserve_cap and len(reserved) >= queue.reserve_cap):
+                    self._general(data)
+                    return
+                job = reserved.get(deadlines[0][1])  # Client.soonest_deadline's test of the top entry
+                if job is None or job.deadline != deadlines[0][0]:
                     self._general(data)
                     return
             if queue.waiting_ct:  # as _fast_reserve: a waiting client may be owed a ready job first
@@ -262,7 +264,7 @@ class LaneConnection(BrokerConnection):
             job.reserves += 1
             job.deadline = deadline = now + job.ttr * NS
             reserved[job.id] = job
-            heappush(client.deadlines, (deadline, job.id, job))
+            heappush(client.deadlines, (deadline, job.id))
             tube.reserved_count += 1
             client.pending_timeout = -1
             armed = client.ttr_armed

@@ -446,7 +446,10 @@ class Client:
         self.use: Tube
         self.watch: SwapSet[Tube] = SwapSet()
         self.reserved: dict[int, Job] = {}
-        self.deadlines: list[tuple[int, int, Job]] = []  # heap of (deadline, id, job), lazy
+        # A heap of (deadline, job id), lazy: an entry is live while ``reserved`` holds its job with that deadline.
+        # Ids, not jobs: the entry of a job deleted (or released, buried, touched) stays until it reaches the top
+        # or the heap is pruned, and must not keep the job's body until then.
+        self.deadlines: list[tuple[int, int]] = []
         self.waiting = False
         self.pending_timeout = -1
         self.tick_at = 0
@@ -465,16 +468,19 @@ class Client:
         touched leaves its old entry behind, and a worker that touches a long-TTR job every
         second would otherwise grow the heap by an entry a touch until the TTR comes round."""
         heap = self.deadlines
-        if len(heap) > 2 * len(self.reserved) + 64:
-            live = [e for e in heap if e[2].reserver is self and e[2].state == RESERVED and e[2].deadline == e[0]]
+        reserved = self.reserved
+        if len(heap) > 2 * len(reserved) + 64:
+            live = [e for e in heap if (job := reserved.get(e[1])) is not None and job.deadline == e[0]]
             heapq.heapify(live)
             self.deadlines = live
 
     def soonest_deadline(self) -> int | None:
         heap = self.deadlines
+        reserved = self.reserved
         while heap:
-            deadline, _, job = heap[0]
-            if job.reserver is self and job.state == RESERVED and job.deadline == deadline:
+            deadline, job_id = heap[0]
+            job = reserved.get(job_id)
+            if job is not None and job.deadline == deadline:
                 return deadline
             heappop(heap)
         return None

@@ -288,7 +288,7 @@ class Queue:
         job.reserves += 1
         job.deadline = deadline = now + job.ttr * NS
         client.reserved[job.id] = job
-        heappush(client.deadlines, (deadline, job.id, job))
+        heappush(client.deadlines, (deadline, job.id))
         job.tube.reserved_count += 1
         client.pending_timeout = -1
         armed = client.ttr_armed
@@ -326,7 +326,7 @@ class Queue:
             if soonest > now:
                 self.arm_ttr(client, soonest)
                 return
-            job = heappop(client.deadlines)[2]
+            job = client.reserved[heappop(client.deadlines)[1]]  # live: soonest_deadline dropped the stale ones
             self.timeout_ct += 1
             job.timeouts += 1
             self._unreserve(client, job)

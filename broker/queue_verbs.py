@@ -99,7 +99,7 @@ def touch(queue: Queue, client: Client, job_id: int) -> bytes:
     if job is None:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS
-    heappush(client.deadlines, (deadline, job_id, job))
+    heappush(client.deadlines, (deadline, job_id))
     client.prune_deadlines()
     queue.arm_ttr(client, deadline)  # an earlier entry stands mostly: it finds this job not due and re-arms
     return p.TOUCHED

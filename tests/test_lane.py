@@ -93,7 +93,7 @@ else:
                 "producers", "workers")}
             counters.update(total_jobs=queue.jobs_created(), cmd_put=queue.counted_ops()["put"])
             clients = [(sorted(conn.client.reserved), conn.client.waiting, conn.client.ttr_armed,
-                        sorted((d, i) for d, i, _ in conn.client.deadlines)) for conn, _ in conns]
+                        sorted(conn.client.deadlines)) for conn, _ in conns]
             return {"jobs": jobs, "tubes": tubes, "counters": counters, "ops": dict(queue.op_counts),
                     "len": len(queue.jobs), "table": queue.jobs.footprint(), "clients": clients}
 

@@ -72,7 +72,7 @@ class TimerHeap:
             self.prune()
 
     def prune(self) -> None:
-        """Drop every stale entry now, and the objects it held (a closed client, a deleted job)."""
+        """Drop every stale entry now, and what it held (a closed client, a tube, a deleted delayed job's id)."""
         is_current = self._is_current
         self._heap = [e for e in self._heap if is_current(e[0], e[2], e[3])]
         heapq.heapify(self._heap)

@@ -144,7 +144,8 @@ def test_stale_timer_entries_are_bounded_and_prune_drops_them_all(queue):
     live = [keeper.put(delay=3600) for _ in range(10)]  # ten live entries
     for i in range(3000):
         c = Conn(queue)
-        held = job_id(c.reserve(0) if c.put(b"job %d" % i, pri=1) else None)  # its TTR entry
+        c.put(b"job %d" % i, pri=1)
+        held = job_id(c.reserve(0))  # its TTR entry
         assert queue.delete(c.client, held) == p.DELETED
         queue_verbs.disconnect(queue, c.client)  # the entry is stale, and holds the closed client
         gone = keeper.put(delay=3600)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import os
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -69,6 +71,7 @@ __all__ = [
     "shut_down",
     "start_query",
     "start_server",
+    "traced_growth",
     "tube_jobs",
     "wait_delivered",
     "wait_for_port",
@@ -88,6 +91,20 @@ async def wait_until_async(predicate: Callable[[], Any], timeout: float, what: s
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def traced_growth(work: Callable[[], object]) -> int:
+    """Bytes of Python memory allocated by ``work`` and still held after it (tracemalloc, after a full
+    collection): what a structure keeps that it should have let go."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        work()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
 
 
 class TcpProxy:

@@ -6,12 +6,12 @@ out of order, far jumps), and the memory bound under churn that the pages must k
 from __future__ import annotations
 
 import random
-import tracemalloc
 from collections import deque
 
 import pytest
 
 from broker.jobtable import GAP_PER_JOB, MAX_GAP_PAGES, PAGE_SIZE, SPAN_SLACK, SPARSE_LIVE, JobTable
+from tests.helpers import traced_growth
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,13 +150,7 @@ def test_churn_with_long_lived_jobs_stays_bounded() -> None:
     pages, overflow = table.footprint()
     assert pages <= len(table) // SPARSE_LIVE + 2
     assert overflow >= len(kept) - 2 * PAGE_SIZE
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        churn(100_000, 200_000)
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    grown = traced_growth(lambda: churn(100_000, 200_000))
     added = 1_000  # long-lived jobs added by the second round
     assert len(table) == len(kept) + 500
     # Each new long-lived job costs its Item, its id and a dict slot (~320 bytes measured with the

@@ -1,9 +1,7 @@
 """The queue state machine alone: no sockets, no asyncio, a clock we move by hand."""
 from __future__ import annotations
 
-import gc
 import random
-import tracemalloc
 
 import pytest
 
@@ -12,6 +10,7 @@ from broker import queue_timers, queue_verbs
 from broker import stats as broker_stats
 from broker.model import READY_BITS
 from broker.queue import CREATED_GRAIN, NS, Queue
+from tests.helpers import traced_growth
 
 
 class FakeClock:
@@ -163,17 +162,13 @@ def test_a_cancelled_delayed_job_is_not_kept_by_its_stale_timer_entry(queue):
     the delay ran out or the heap was rebuilt (50,000 live delayed jobs of 1 KB, then 150,000 cancels:
     76 MB held beyond the live jobs before, 11.5 MB after; tracemalloc)."""
     c = Conn(queue)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
+
+    def cancel() -> None:
         for i in range(500):
             job = c.put(bytes(4096), delay=3600)
             assert queue.delete(c.client, job) == p.DELETED, i
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
+
+    grown = traced_growth(cancel)
     assert len(queue.timers) == 500  # the stale entries are still there (fewer than compact's 1,024)
     assert grown < 500 * 4096 // 8, f"{grown} bytes held after 500 cancelled 4 KB jobs"
 
@@ -187,10 +182,8 @@ def test_a_worker_turning_over_held_jobs_keeps_no_deleted_body(queue):
     rnd = random.Random(1)
     c = Conn(queue)
     held: list[int] = []
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
+
+    def turn_over() -> None:
         for _ in range(200):
             c.put(bytes(4096))
             held.append(job_id(c.reserve(0)))
@@ -198,10 +191,8 @@ def test_a_worker_turning_over_held_jobs_keeps_no_deleted_body(queue):
             c.put(bytes(4096))
             held.append(job_id(c.reserve(0)))
             assert queue.delete(c.client, held.pop(rnd.randrange(len(held)))) == p.DELETED
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
+
+    grown = traced_growth(turn_over)
     assert len(c.client.deadlines) >= 300  # the deleted jobs' entries are still there (pruned above 464)
     beyond = grown - 200 * 4096  # beyond the held jobs' bodies
     assert beyond < 200 * 4096 // 4, f"{beyond} bytes held beyond 200 held 4 KB jobs after 200 were turned over"

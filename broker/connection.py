@@ -235,7 +235,9 @@ class BrokerConnection(asyncio.Protocol):
             return
         self.activity = True
         poll = self.poll
-        if poll is not None:  # BusyPoll.note_input, inlined for the common case
+        # BusyPoll.note_input, inlined for the common case: a command already noted in this turn of the poll
+        # (fresh is only ever set while it spins) leaves nothing to do.
+        if poll is not None and not poll.fresh:
             if poll.spinning:
                 poll.fresh = True
             else:

@@ -82,7 +82,7 @@ class LaneConnection(BrokerConnection):
 
     def data_received(self, data: bytes) -> None:  # noqa: C901 - one frame is the point (see the module)
         poll = self.poll
-        if poll is not None:  # BusyPoll.note_input, as BrokerConnection.data_received
+        if poll is not None and not poll.fresh:  # BusyPoll.note_input, as BrokerConnection.data_received
             if poll.spinning:
                 poll.fresh = True
             else:
@@ -140,7 +140,7 @@ class LaneConnection(BrokerConnection):
                     page = jobs.pages[index]
                 except IndexError:  # the id opens a new page
                     pass
-            if page is not None and page.lazy is None:
+            if page is not None:  # (a new id has no lazy job: its slot is empty, lazy or not)
                 page.slots[job_id & PAGE_MASK] = job
                 page.live += 1
                 jobs.paged += 1
@@ -219,8 +219,8 @@ class LaneConnection(BrokerConnection):
                         pass
                 if page is None:  # evicted (a drained page's last jobs) or never made; entry -1 finds no job
                     top = jobs.overflow.get(job_id)
-                else:
-                    top = page.slots[job_id & PAGE_MASK] if page.lazy is None else None
+                else:  # a lazy job not made yet is None here too: the general path makes it
+                    top = page.slots[job_id & PAGE_MASK]
                 # Tube.ready_live. Not its `job.tube is self`: the slot of an id holds that job only, and a
                 # job's tube never changes (ids are never reused).
                 if top is None or top.state != READY or top.pri != entry >> tube.ready_shift:
@@ -242,23 +242,30 @@ class LaneConnection(BrokerConnection):
             else:
                 queue.cmd_reserve += 1
             tube.waiting.last_use = 1
-            if in_run:  # Tube.drop_ready_top
-                at += 1
-                if at == len(run):
-                    run.clear()
-                    at = 0
-                elif at >= 1024 and 2 * at >= len(run):
-                    del run[:at]
-                    at = 0
-                tube.ready_run_at = at
-            else:
-                heappop(heap)
-            ready_count = tube.ready_count - 1  # Queue._remove_ready
+            ready_count = tube.ready_count - 1  # Queue._remove_ready (its prune_ready follows the top's drop)
             tube.ready_count = ready_count
             if job.pri < URGENT_THRESHOLD:
                 tube.urgent_count -= 1
-            if len(heap) + len(run) - at > 2 * ready_count + 64:  # Tube.prune_ready's test (its lists, in place)
-                tube.prune_ready()
+            # Tube.drop_ready_top, then Tube.prune_ready's test on the lists in place; when the run empties (a
+            # worker keeping up with its producers), only the heap can hold stale entries.
+            if in_run:
+                at += 1
+                if at == len(run):
+                    run.clear()
+                    tube.ready_run_at = 0
+                    if heap and len(heap) > 2 * ready_count + 64:
+                        tube.prune_ready()
+                else:
+                    if at >= 1024 and 2 * at >= len(run):
+                        del run[:at]
+                        at = 0
+                    tube.ready_run_at = at
+                    if len(heap) + len(run) - at > 2 * ready_count + 64:
+                        tube.prune_ready()
+            else:
+                heappop(heap)
+                if len(heap) + len(run) - at > 2 * ready_count + 64:
+                    tube.prune_ready()
             job.state = RESERVED  # Queue._reserve
             job.reserver = client
             job.reserves += 1
@@ -310,8 +317,9 @@ class LaneConnection(BrokerConnection):
                     page = jobs.pages[index]
                 except IndexError:
                     pass
-            if (page is not None and page.lazy is None and page.slots[job_id & PAGE_MASK] is held
-                    and (page.live > SPARSE_LIVE or index == len(jobs.pages) - 1)):
+            # A held job is made and in its page's slot whenever that page exists (a page's ids are never in
+            # overflow), lazy jobs beside it or not.
+            if page is not None and (page.live > SPARSE_LIVE or index == len(jobs.pages) - 1):
                 page.slots[job_id & PAGE_MASK] = None
                 page.live -= 1
                 jobs.paged -= 1

@@ -217,10 +217,9 @@ class LaneConnection(BrokerConnection):
                         page = jobs.pages[index]
                     except IndexError:
                         pass
-                if page is None:  # evicted (a drained page's last jobs) or never made; entry -1 finds no job
-                    top = jobs.overflow.get(job_id)
-                else:  # a lazy job not made yet is None here too: the general path makes it
-                    top = page.slots[job_id & PAGE_MASK]
+                # No page: evicted (a drained page's last jobs) or never made; entry -1 finds no job. A lazy job not
+                # made yet reads None from its slot too: the general path makes it.
+                top = jobs.overflow.get(job_id) if page is None else page.slots[job_id & PAGE_MASK]
                 # Tube.ready_live. Not its `job.tube is self`: the slot of an id holds that job only, and a
                 # job's tube never changes (ids are never reused).
                 if top is None or top.state != READY or top.pri != entry >> tube.ready_shift:

@@ -241,30 +241,25 @@ class LaneConnection(BrokerConnection):
             else:
                 queue.cmd_reserve += 1
             tube.waiting.last_use = 1
-            ready_count = tube.ready_count - 1  # Queue._remove_ready (its prune_ready follows the top's drop)
-            tube.ready_count = ready_count
-            if job.pri < URGENT_THRESHOLD:
-                tube.urgent_count -= 1
-            # Tube.drop_ready_top, then Tube.prune_ready's test on the lists in place; when the run empties (a
-            # worker keeping up with its producers), only the heap can hold stale entries.
-            if in_run:
+            if in_run:  # Tube.drop_ready_top
                 at += 1
                 if at == len(run):
                     run.clear()
-                    tube.ready_run_at = 0
-                    if heap and len(heap) > 2 * ready_count + 64:
-                        tube.prune_ready()
-                else:
-                    if at >= 1024 and 2 * at >= len(run):
-                        del run[:at]
-                        at = 0
-                    tube.ready_run_at = at
-                    if len(heap) + len(run) - at > 2 * ready_count + 64:
-                        tube.prune_ready()
+                    at = 0
+                elif at >= 1024 and 2 * at >= len(run):
+                    del run[:at]
+                    at = 0
+                tube.ready_run_at = at
             else:
                 heappop(heap)
-                if len(heap) + len(run) - at > 2 * ready_count + 64:
-                    tube.prune_ready()
+            ready_count = tube.ready_count - 1  # Queue._remove_ready
+            tube.ready_count = ready_count
+            if job.pri < URGENT_THRESHOLD:
+                tube.urgent_count -= 1
+            # Tube.prune_ready's test (its lists, in place); with both lists empty (a worker keeping up with its
+            # producers) nothing can be stale, and the run is tested first: a backlog's run is never empty.
+            if (run or heap) and len(heap) + len(run) - at > 2 * ready_count + 64:
+                tube.prune_ready()
             job.state = RESERVED  # Queue._reserve
             job.reserver = client
             job.reserves += 1

@@ -5,7 +5,11 @@ instructions a server executes per command does not. Each server runs under
 ``valgrind --tool=callgrind --instr-atstart=no``; after a warm-up (imports, caches, the
 first allocations), counting is switched on with ``callgrind_control -i on``, the load
 generator sends exactly ``--instr-ops`` commands, counting is switched off, and the
-server's total is divided by the commands. Only user-space instructions are counted
+server's total is divided by the commands. The load generator runs stepped (``loadgen -S``):
+counting starts once its connections are set up and stops before it closes them, so a row
+counts commands, not the accepts and teardowns of its connections (at 500 connections
+these added ~1,250 instructions a command to ours, ~420 to the floor, before the steps).
+Only user-space instructions are counted
 (callgrind does not see the kernel), so this is the server's own cost per command:
 interpreter, uvloop, libc, our code. ``perf stat -e instructions`` would add the kernel,
 but most VMs do not expose the counter (``perf stat`` says ``<not supported>``).
@@ -21,10 +25,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import broker_bench as bb
@@ -40,11 +46,52 @@ def _control(pid: int, flag: str) -> None:
         raise RuntimeError(f"callgrind_control {flag} {pid} failed: {res.stdout.strip()} {res.stderr.strip()}")
 
 
-def _loadgen(srv, workload: str, conns: int, depth: int, ops: int) -> dict:
+def _loadgen_args(srv, workload: str, conns: int, depth: int, ops: int) -> list[str]:
     args = ["-h", srv.host, "-p", str(srv.port), "-s", "100", "-T", "bench", "-c", str(conns), "-d", str(depth)]
     if workload == "drain":  # reserve+delete of pre-filled jobs: fill first (counted separately, not measured)
-        return bb.run_loadgen(args + ["-w", "drain", "-n", str(ops // 2)], None, timeout=900)
-    return bb.run_loadgen(args + ["-w", workload, "-n", str(ops)], None, timeout=900)
+        return args + ["-w", "drain", "-n", str(ops // 2)]
+    return args + ["-w", workload, "-n", str(ops)]
+
+
+def _await_line(proc: subprocess.Popen, pending: bytearray, want: bytes, deadline: float) -> None:
+    """Read the load generator's stderr until the line ``want``, keeping what came before."""
+    fd = proc.stderr.fileno()  # type: ignore[union-attr]
+    while want + b"\n" not in pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"loadgen did not say {want.decode()!r} in time")
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"loadgen ended before {want.decode()!r}: {bytes(pending).decode(errors='replace')}")
+            pending += chunk
+    del pending[:pending.index(want + b"\n") + len(want) + 1]
+
+
+def _stepped_loadgen(args: list[str], on_connected: Callable[[], None], on_finished: Callable[[], None],
+                     timeout: float = 900) -> dict:
+    """Run the load generator with -S: ``on_connected`` once its connections are set up, ``on_finished`` after
+    the last reply and before it closes them."""
+    deadline = time.monotonic() + timeout
+    proc = subprocess.Popen([str(bb.BIN), *args, "-S"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        pending = bytearray()
+        _await_line(proc, pending, b"loadgen: connected", deadline)
+        on_connected()
+        proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        _await_line(proc, pending, b"loadgen: finished", deadline)
+        on_finished()
+        out, err = proc.communicate(b"go\n", timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode().strip()
+    if not text:
+        raise RuntimeError(f"loadgen failed (rc={proc.returncode}): {(bytes(pending) + err).decode(errors='replace')}")
+    return json.loads(text.splitlines()[-1])
 
 
 def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, annotate: int = 0) -> dict:
@@ -61,12 +108,19 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
         if workload == "drain":
             bb.run_loadgen(["-h", srv.host, "-p", str(srv.port), "-s", "100", "-T", "bench", "-w", "put", "-c", "1",
                             "-d", "64", "-n", str(ops // 2 + WARMUP_OPS)], None, timeout=900)
-        _loadgen(srv, workload, conns, depth, WARMUP_OPS)
-        _control(srv.pid, "--instr=on")
-        started = time.monotonic()
-        data = _loadgen(srv, workload, conns, depth, ops)
-        _control(srv.pid, "--instr=off")
-        seconds = time.monotonic() - started
+        bb.run_loadgen(_loadgen_args(srv, workload, conns, depth, WARMUP_OPS), None, timeout=900)
+        started = [0.0, 0.0]
+
+        def counting_on() -> None:
+            _control(srv.pid, "--instr=on")
+            started[0] = time.monotonic()
+
+        def counting_off() -> None:
+            _control(srv.pid, "--instr=off")
+            started[1] = time.monotonic()
+
+        data = _stepped_loadgen(_loadgen_args(srv, workload, conns, depth, ops), counting_on, counting_off)
+        seconds = started[1] - started[0]
     finally:
         srv.stop(timeout=60)
     text = out_file.read_bytes()

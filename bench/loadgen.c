@@ -20,6 +20,12 @@
  * Its own CPU over the window (CLOCK_PROCESS_CPUTIME_ID) is always reported,
  * so you can see whether the generator itself is the bottleneck.
  *
+ * -S (stepped, for bench/instructions.py): once every connection is set up,
+ * print "loadgen: connected" on stderr and wait for a line on stdin; after the
+ * last reply, print "loadgen: finished" and wait for another before closing.
+ * A counter switched on and off at those two points sees the commands only,
+ * not the connections' setup and teardown.
+ *
  * Output: one line of JSON on stdout.
  *
  * Build: gcc -O2 -Wall -o bench/bin/loadgen bench/loadgen.c
@@ -70,6 +76,7 @@ static double opt_time = 5.0, opt_warm = 0.5, opt_grace = 5.0;
 static long long opt_n = 0; /* 0: run by time */
 static const char *opt_tube = "bench";
 static int opt_pid = 0;
+static int opt_step = 0;
 static int opt_pri = 1024, opt_ttr = 120;
 
 /* ---------- state ---------- */
@@ -416,17 +423,25 @@ static int connect_one(struct addrinfo *ai, const char *setup, int nreplies) {
     return fd;
 }
 
+/* -S: say where we are, then wait for the go-ahead (a line, or end of input) on stdin */
+static void step(const char *where) {
+    char line[64];
+    fprintf(stderr, "loadgen: %s\n", where);
+    fflush(stderr);
+    if (!fgets(line, sizeof line, stdin)) return;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: loadgen [-h host] [-p port] [-w put|cycle|drain] [-c conns] [-d depth]\n"
             "               [-s body_bytes] [-t seconds] [-W warmup_s] [-n ops_or_jobs]\n"
-            "               [-T tube] [-P server_pid] [-G grace_s]\n");
+            "               [-T tube] [-P server_pid] [-G grace_s] [-S]\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
     int ch;
-    while ((ch = getopt(argc, argv, "h:p:w:c:d:s:t:W:n:T:P:G:")) != -1) {
+    while ((ch = getopt(argc, argv, "h:p:w:c:d:s:t:W:n:T:P:G:S")) != -1) {
         switch (ch) {
         case 'h': opt_host = optarg; break;
         case 'p': opt_port = optarg; break;
@@ -445,6 +460,7 @@ int main(int argc, char **argv) {
         case 'T': opt_tube = optarg; break;
         case 'P': opt_pid = atoi(optarg); break;
         case 'G': opt_grace = atof(optarg); break;
+        case 'S': opt_step = 1; break;
         default: usage();
         }
     }
@@ -501,6 +517,7 @@ int main(int argc, char **argv) {
         if (epoll_ctl(epfd, EPOLL_CTL_ADD, c->fd, &ev) < 0) die("epoll_ctl");
     }
     freeaddrinfo(ai);
+    if (opt_step) step("connected");
 
     int by_count = opt_n > 0 || opt_workload == W_DRAIN;
     uint64_t t0 = now_ns();
@@ -592,6 +609,7 @@ int main(int argc, char **argv) {
     }
     if (!t_win_end) t_win_end = now_ns();
     if (!cpu1) { cpu1 = cpu_ns(); srv1 = proc_cpu_ticks(opt_pid); }
+    if (opt_step) step("finished");
     for (int i = 0; i < opt_conns; i++)
         if (conns[i].alive) close(conns[i].fd);
 

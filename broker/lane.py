@@ -3,7 +3,7 @@
 Why: interpreted, every Python call costs ~430 instructions before it does anything, and the
 general path of a depth-1 command walks 9-13 of them (``data_received`` -> ``parse_packet`` ->
 ``_execute`` -> ``Queue.put`` -> ``new_job``, ``JobTable.put``, ``_enqueue``, ``push_ready``; a
-reserve goes through ``ready_top``, ``drop_ready_top``, ``_remove_ready``, ``_reserve``...). That
+reserve goes through ``ready_top``, ``drop_ready_top``, ``_remove_ready_top``, ``_reserve``...). That
 was most of the gap to the Python floor (bench/README.md, "The interpreted lane").
 :class:`LaneConnection` answers the four commands a request/response worker sends most, when
 each is in its plainest form, without any of those calls:
@@ -252,14 +252,15 @@ class LaneConnection(BrokerConnection):
                 tube.ready_run_at = at
             else:
                 heappop(heap)
-            ready_count = tube.ready_count - 1  # Queue._remove_ready
+            ready_count = tube.ready_count - 1  # Queue._remove_ready_top
             tube.ready_count = ready_count
             if job.pri < URGENT_THRESHOLD:
                 tube.urgent_count -= 1
-            # Tube.prune_ready's test (its lists, in place); with both lists empty (a worker keeping up with its
-            # producers) nothing can be stale, and the run is tested first: a backlog's run is never empty.
-            if (run or heap) and len(heap) + len(run) - at > 2 * ready_count + 64:
-                tube.prune_ready()
+            if not tube.ready_clean:  # Tube.prune_ready (its test on the lists in place, then a call if it fires)
+                if len(heap) + len(run) - at > 2 * ready_count + 64:
+                    tube.prune_ready()
+                elif not (run or heap):
+                    tube.ready_clean = True
             job.state = RESERVED  # Queue._reserve
             job.reserver = client
             job.reserves += 1

@@ -265,7 +265,18 @@ class Queue:
         tube.ready_count -= 1
         if job.pri < URGENT_THRESHOLD:
             tube.urgent_count -= 1
+        tube.ready_clean = False
         tube.prune_ready()
+
+    def _remove_ready_top(self, job: Job) -> None:
+        """As :meth:`_remove_ready`, for the job whose entry the caller has just dropped (its tube's
+        top): no stale entry is left, so the stale bound can only be passed if some were there already."""
+        tube = job.tube
+        tube.ready_count -= 1
+        if job.pri < URGENT_THRESHOLD:
+            tube.urgent_count -= 1
+        if not tube.ready_clean:
+            tube.prune_ready()
 
     def _remove_delayed(self, job: Job) -> None:
         """The caller moves the job out of DELAYED (or re-queues it) next."""
@@ -369,7 +380,8 @@ class Queue:
             if best is None:
                 return
             tube = best.tube
-            self._remove_ready(best)
+            tube.drop_ready_top()  # ready_top's last answer for this tube: no stale entry is left behind
+            self._remove_ready_top(best)
             client = tube.waiting.take()
             if client is None:  # cannot happen: only tubes with waiting clients are in waited_tubes
                 return
@@ -566,7 +578,7 @@ class Queue:
         tube = job.tube
         tube.waiting.last_use = 1
         tube.drop_ready_top()  # best is its tube's least entry: no stale entry is left behind
-        self._remove_ready(job)
+        self._remove_ready_top(job)
         self._reserve(client, job, now)
         return job_reply(b"RESERVED", job)
 

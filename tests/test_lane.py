@@ -86,7 +86,8 @@ else:
                                     who.get(id(job.reserver)), job.reserves, job.rare, job.file)
             tubes = {t.name: (t.ready_count, t.urgent_count, t.reserved_count, t.delayed_count, t.total_jobs,
                               t.total_deletes, list(t.buried), t.pause, t.unpause_at, t.using, t.watching,
-                              len(t.waiting.items), t.waiting.last_use, t.ready_entries(), t.ready_run_at)
+                              len(t.waiting.items), t.waiting.last_use, t.ready_entries(), t.ready_run_at,
+                              t.ready_clean)
                      for t in queue.tubes.items}
             counters = {name: getattr(queue, name) for name in (
                 "next_id", "held_bytes", "cmd_reserve", "cmd_reserve_timeout", "cmd_delete", "waiting_ct",

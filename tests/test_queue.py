@@ -687,9 +687,40 @@ def test_ready_heap_and_run_serve_least_priority_then_id(ops):
             ready[victim] = pri
         assert tube.ready_count == len(ready)
         assert tube.ready_entries() <= 2 * len(ready) + 64 + 1
+        assert not tube.ready_clean or tube.ready_entries() == len(ready)  # "clean": no stale entry
     order = [job_id(c.reserve(0)) for _ in range(len(ready))]
     assert order == sorted(ready, key=lambda i: (ready[i], i))
     assert c.reserve(0) == p.TIMED_OUT
+
+
+def test_stale_entries_left_by_deletes_are_pruned_as_reserves_drain_the_rest() -> None:
+    """A reserve of the top leaves no stale entry and skips the stale test while a tube has none
+    (``ready_clean``); once deletes left some, reserves alone must still keep them within twice the
+    ready jobs plus slack, and the tube is clean again once they are gone."""
+    queue = Queue(FakeClock())
+    c = Conn(queue)
+    ids = [c.put(b"x", pri=7) for _ in range(400)]
+    tube = queue.default_tube
+    assert tube.ready_clean
+    for victim in ids[250:]:  # the newest: stale entries at the end of the run, under the bound
+        assert queue.delete(c.client, victim) == p.DELETED
+    assert not tube.ready_clean and tube.ready_entries() == 400 and tube.ready_count == 250
+    for n, expected in enumerate(ids[:250]):
+        assert job_id(c.reserve(0)) == expected
+        assert tube.ready_entries() <= 2 * (249 - n) + 64 + 1
+    assert c.reserve(0) == p.TIMED_OUT
+    assert tube.ready_clean and tube.ready_entries() == 0
+
+
+def test_a_job_handed_to_a_waiting_client_leaves_no_stale_entry() -> None:
+    """A put that wakes a waiting worker takes the job's entry with it: the tube stays clean."""
+    queue = Queue(FakeClock())
+    worker, producer = Conn(queue), Conn(queue)
+    assert worker.reserve() is None  # waits
+    jid = producer.put(b"y", pri=3)
+    assert worker.later == [b"RESERVED %d 1\r\ny\r\n" % jid]
+    tube = queue.default_tube
+    assert tube.ready_clean and tube.ready_entries() == 0 and tube.ready_count == 0
 
 
 def test_stale_run_entries_are_pruned_and_the_rest_served_in_order() -> None:

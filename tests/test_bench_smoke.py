@@ -129,6 +129,22 @@ def test_bench_busypoll_one_gap_each_server():
     assert bad.returncode == 2 and "take whole microseconds" in bad.stderr
 
 
+def test_bench_connect_costs_each_server_per_connection(tmp_path):
+    out = tmp_path / "connect.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_connect.py"), "--servers", "beanstalkd,ours-poll0",
+                          "--connections", "300", "--reps", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["beanstalkd", "ours-poll0"]
+    for row in rows.values():
+        assert row["per_s"] > 50 and row["cpu_us"] > 0, row
+    assert "| ours-poll0 |" in res.stdout and "load average" in res.stdout
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_connect.py"), "--servers", "floor-poll0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown server kind" in bad.stderr
+
+
 def test_broker_bench_floor_missing_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--quick", "--servers", "floor",
                           "--floor", str(tmp_path / "nowhere.py"), "--workloads", "put", "--conns", "1",

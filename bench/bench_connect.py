@@ -103,10 +103,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(benchlib.OUT / "connect.json"), help="where to write the JSON")
     opts = ap.parse_args()
     kinds = [k.strip() for k in opts.servers.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in servers.KINDS
-               and not (k.endswith(NO_POLL) and k.removesuffix(NO_POLL) in ("ours", "ours-pure"))]
+    # Not the ceiling server: it answers every packet with one constant reply, not `use` and `put`.
+    known = ("beanstalkd", "ours", "ours-pure", "floor", "ours" + NO_POLL, "ours-pure" + NO_POLL)
+    unknown = [k for k in kinds if k not in known]
     if unknown or not kinds:
-        ap.error(f"unknown server kind(s) {unknown}: choose from {', '.join(servers.KINDS)}")
+        ap.error(f"unknown server kind(s) {unknown}: choose from {', '.join(known)}")
     if opts.connections < 1 or opts.reps < 1:
         ap.error("--connections and --reps must be at least 1")
     load = os.getloadavg()[0]

@@ -69,9 +69,9 @@ def _await_line(proc: subprocess.Popen, pending: bytearray, want: bytes, deadlin
 
 
 def _stepped_loadgen(args: list[str], on_connected: Callable[[], None], on_finished: Callable[[], None],
-                     timeout: float = 900) -> dict:
+                     timeout: float = 900) -> tuple[dict, float]:
     """Run the load generator with -S: ``on_connected`` once its connections are set up, ``on_finished`` after
-    the last reply and before it closes them."""
+    the last reply and before it closes them. Its JSON, and the seconds between the two."""
     deadline = time.monotonic() + timeout
     proc = subprocess.Popen([str(bb.BIN), *args, "-S"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -79,10 +79,12 @@ def _stepped_loadgen(args: list[str], on_connected: Callable[[], None], on_finis
         pending = bytearray()
         _await_line(proc, pending, b"loadgen: connected", deadline)
         on_connected()
+        started = time.monotonic()
         proc.stdin.write(b"go\n")  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
         _await_line(proc, pending, b"loadgen: finished", deadline)
         on_finished()
+        seconds = time.monotonic() - started
         out, err = proc.communicate(b"go\n", timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
@@ -91,7 +93,7 @@ def _stepped_loadgen(args: list[str], on_connected: Callable[[], None], on_finis
     text = out.decode().strip()
     if not text:
         raise RuntimeError(f"loadgen failed (rc={proc.returncode}): {(bytes(pending) + err).decode(errors='replace')}")
-    return json.loads(text.splitlines()[-1])
+    return json.loads(text.splitlines()[-1]), seconds
 
 
 def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, annotate: int = 0) -> dict:
@@ -109,18 +111,9 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
             bb.run_loadgen(["-h", srv.host, "-p", str(srv.port), "-s", "100", "-T", "bench", "-w", "put", "-c", "1",
                             "-d", "64", "-n", str(ops // 2 + WARMUP_OPS)], None, timeout=900)
         bb.run_loadgen(_loadgen_args(srv, workload, conns, depth, WARMUP_OPS), None, timeout=900)
-        started = [0.0, 0.0]
-
-        def counting_on() -> None:
-            _control(srv.pid, "--instr=on")
-            started[0] = time.monotonic()
-
-        def counting_off() -> None:
-            _control(srv.pid, "--instr=off")
-            started[1] = time.monotonic()
-
-        data = _stepped_loadgen(_loadgen_args(srv, workload, conns, depth, ops), counting_on, counting_off)
-        seconds = started[1] - started[0]
+        data, seconds = _stepped_loadgen(_loadgen_args(srv, workload, conns, depth, ops),
+                                         lambda: _control(srv.pid, "--instr=on"),
+                                         lambda: _control(srv.pid, "--instr=off"))
     finally:
         srv.stop(timeout=60)
     text = out_file.read_bytes()

@@ -261,16 +261,12 @@ class Queue:
 
     def _remove_ready(self, job: Job) -> None:
         """The caller moves the job out of READY next: its heap entry is stale from then on."""
-        tube = job.tube
-        tube.ready_count -= 1
-        if job.pri < URGENT_THRESHOLD:
-            tube.urgent_count -= 1
-        tube.ready_clean = False
-        tube.prune_ready()
+        job.tube.ready_clean = False
+        self._remove_ready_top(job)
 
     def _remove_ready_top(self, job: Job) -> None:
-        """As :meth:`_remove_ready`, for the job whose entry the caller has just dropped (its tube's
-        top): no stale entry is left, so the stale bound can only be passed if some were there already."""
+        """The caller moves the job out of READY next, having dropped its entry (its tube's top): no stale
+        entry is left, so the stale bound can only be passed if some were there already."""
         tube = job.tube
         tube.ready_count -= 1
         if job.pri < URGENT_THRESHOLD:

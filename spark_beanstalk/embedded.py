@@ -229,6 +229,8 @@ class ServerProcess:
         A port from free_port() can be taken by someone else before the server binds it
         (another test's explicit bind): when we chose the port
         and the server exits before listening, it is started again on a new free port.
+        A replicated member also waits for its replication listener, which it may open after
+        the client port: a caller may connect to ``repl_address`` at once.
         """
         for attempt in range(3):
             try:
@@ -239,6 +241,9 @@ class ServerProcess:
                 new = free_port(self.host)
                 self.argv[self.argv.index("-p") + 1] = str(new)
                 self.port = new
+                if self.repl_address:  # it may have been the replication port that was taken
+                    at = self.argv.index(self.repl_address)
+                    self.repl_address = self.argv[at] = f"127.0.0.1:{free_port()}"
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> ServerProcess:
@@ -248,6 +253,9 @@ class ServerProcess:
         self.proc = spawn(self.argv, out, self.env, self.preexec)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
+            if self.repl_address:
+                repl_host, repl_port = self.repl_address.rsplit(":", 1)
+                wait_for_port(repl_host, int(repl_port), timeout, self.proc)
         except BaseException:
             self.kill()
             raise

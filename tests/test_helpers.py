@@ -7,11 +7,12 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from spark_beanstalk.embedded import PORT_POOL_LOW, SPAWN_ATTEMPTS, ephemeral_ports, listens_on, spawn
-from tests.helpers import broker_process, free_port, wait_until
+from tests.helpers import broker_process, free_port, member_process, wait_until
 
 
 def test_wait_until_returns_the_first_truthy_value() -> None:
@@ -118,6 +119,24 @@ def test_a_server_that_loses_its_port_to_another_listener_moves_on() -> None:
                 assert conn.recv(100) == b"USING default\r\n"
         finally:
             proc.stop()
+
+
+def test_a_member_whose_replication_port_was_taken_moves_on(tmp_path: Path) -> None:
+    """The broker exits when it cannot bind --replication-listen: start() picks a new port for it.
+
+    start() also waits for the replication listener, which the broker may open after the client
+    port: a test that connected to repl_address at once was refused (CI of stop 39).
+    """
+    member = member_process(str(tmp_path / "a"))
+    taken = member.repl_address
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", int(taken.rsplit(":", 1)[1])))  # bound, not listening: another process's bind
+        member.start()
+        try:
+            assert member.repl_address != taken and member.repl_address in member.argv
+            assert listens_on(member.pid, int(member.repl_address.rsplit(":", 1)[1]))
+        finally:
+            member.kill()
 
 
 class _FailingPopen:

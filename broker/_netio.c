@@ -4,8 +4,8 @@ Why: at depth 1 with many connections, every Python server on asyncio + uvloop p
 loop's per-connection read callback, a stream object's bookkeeping and a write request per
 command; a server that parses nothing at all (bench/ceiling_server.py) stops at ~1.3x the
 Python floor there, while the same constant replies from an epoll loop in C reach ~1.7x
-(bench/README.md, "Past the ceiling"). This module takes only the client sockets' reads and
-writes out of uvloop: one epoll set of its own, whose descriptor the asyncio loop watches
+(bench/README.md, "Past the ceiling"). This module takes only the client sockets' accepts, reads
+and writes out of uvloop: one epoll set of its own, whose descriptor the asyncio loop watches
 (``loop.add_reader``), so timers, busy polling, TLS, Unix sockets, HTTP and replication stay
 on the loop unchanged. The protocol objects (broker.connection) see the asyncio Transport
 methods they use, with asyncio's semantics:
@@ -24,7 +24,10 @@ Interpreted builds (SPARK_BEANSTALK_PURE=1, no C compiler) use uvloop's own tran
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -522,8 +525,16 @@ static PyObject *Transport_get_extra_info(Transport *t, PyObject *args, PyObject
     PyObject *v = NULL;
     if (strcmp(name, "peername") == 0)
         v = t->peername;
-    else if (strcmp(name, "sockname") == 0)
+    else if (strcmp(name, "sockname") == 0) {
+        if (t->sockname == Py_None && t->sock != NULL) { /* asked for the first time: accept() leaves it out */
+            PyObject *got = PyObject_CallMethod(t->sock, "getsockname", NULL);
+            if (got == NULL)
+                PyErr_Clear(); /* reset meanwhile: the default, as for a closed transport */
+            else
+                Py_SETREF(t->sockname, got);
+        }
         v = t->sockname;
+    }
     else if (strcmp(name, "socket") == 0)
         v = t->sock;
     if (v == NULL || v == Py_None)
@@ -804,8 +815,63 @@ static PyTypeObject PollerType = {
     .tp_methods = Poller_methods,
 };
 
+/* -- accept ---------------------------------------------------------------------------- */
+
+/* The peer's address as the socket module gives it: (host, port) for IPv4, (host, port, flowinfo,
+   scope_id) for IPv6 (the host without a %scope suffix); None for another family. */
+static PyObject *peer_address(const struct sockaddr_storage *ss)
+{
+    char host[INET6_ADDRSTRLEN];
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        if (inet_ntop(AF_INET, &a->sin_addr, host, sizeof host) != NULL)
+            return Py_BuildValue("(si)", host, (int)ntohs(a->sin_port));
+    }
+    else if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        if (inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host) != NULL)
+            return Py_BuildValue("(siII)", host, (int)ntohs(a->sin6_port), (unsigned int)ntohl(a->sin6_flowinfo),
+                                 (unsigned int)a->sin6_scope_id);
+    }
+    Py_RETURN_NONE;
+}
+
+/* One connection from a listening descriptor, non-blocking, close-on-exec and with TCP_NODELAY, as
+   (descriptor, peer address); None when none is waiting. Why in C: socket.accept() builds a socket
+   object through two enum conversions, and the empty accept that ends each burst raises
+   BlockingIOError; with both, a connection cost ~20,000 more instructions (bench/bench_connect.py). */
+static PyObject *netio_accept(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    long lfd = PyLong_AsLong(arg);
+    if (lfd == -1 && PyErr_Occurred())
+        return NULL;
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    memset(&ss, 0, sizeof ss);
+    int fd = accept4((int)lfd, (struct sockaddr *)&ss, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+            Py_RETURN_NONE; /* a listener still readable is reported again by the loop */
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* a reset peer fails it: its read says so */
+    PyObject *peer = peer_address(&ss);
+    PyObject *result = peer == NULL ? NULL : Py_BuildValue("(iN)", fd, peer);
+    if (result == NULL)
+        close(fd);
+    return result;
+}
+
+static PyMethodDef netio_functions[] = {
+    {"accept", (PyCFunction)netio_accept, METH_O,
+     "accept(listening_fd) -> (fd, peername) or None: one connection, non-blocking, with TCP_NODELAY."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef netio_module = {
-    PyModuleDef_HEAD_INIT, "broker._netio", "Client sockets read and written in C (see broker/netio.py).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "broker._netio", "Client sockets read and written in C (see broker/netio.py).", -1,
+    netio_functions,
 };
 
 #define INTERN(var, s)                                                                                           \

@@ -29,6 +29,7 @@ SOURCE = Path(__file__).resolve().with_name("_netio.c")
 # second rather than spinning on a listener that stays readable.
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_PAUSE = 1.0
+_NONBLOCKING_STREAM = socket.SOCK_STREAM | getattr(socket, "SOCK_NONBLOCK", 0)  # (the C transport is Linux only)
 
 
 def status() -> tuple[ModuleType | None, str]:
@@ -65,9 +66,10 @@ class NetioServer(asyncio.AbstractServer):
         self._serving = True
         self._poller: Any = netio.Poller(loop)
         self._transport_type: Any = netio.Transport
+        self._accept_fd: Callable[[int], tuple[int, Any] | None] = netio.accept
         loop.add_reader(self._poller.fileno(), self._poller.poll)
         for sock in sockets:
-            loop.add_reader(sock.fileno(), self._accept, sock)
+            loop.add_reader(sock.fileno(), self._accept, sock, int(sock.family))
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
@@ -84,40 +86,36 @@ class NetioServer(asyncio.AbstractServer):
         """Connections accepted whose connection_lost has not run yet."""
         return int(self._poller.live())
 
-    def _accept(self, sock: socket.socket) -> None:
+    def _accept(self, sock: socket.socket, family: int) -> None:
+        accept = self._accept_fd
+        listening = sock.fileno()
         for _ in range(self._backlog):
             try:
-                conn, addr = sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
+                accepted = accept(listening)  # (fd, peername), or None once none is waiting
             except OSError as exc:
                 if exc.errno not in _RESOURCE_ERRNOS:
                     raise
                 self._loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                                    "exception": exc, "socket": sock})
-                self._loop.remove_reader(sock.fileno())
-                self._loop.call_later(ACCEPT_PAUSE, self._resume_accepting, sock)
+                self._loop.remove_reader(listening)
+                self._loop.call_later(ACCEPT_PAUSE, self._resume_accepting, sock, family)
                 return
-            self._start(conn, addr)
+            if accepted is None:
+                return
+            fd, peer = accepted
+            # Made non-blocking by accept itself: the flag in the type only tells the object so (no syscall),
+            # as the explicit family, type and proto spare it the lookups of its own.
+            conn = socket.socket(family, _NONBLOCKING_STREAM, 0, fd)
+            protocol = self._factory()
+            transport = self._transport_type(self._poller, conn, protocol, peer)
+            # From the loop, as asyncio's transports call it: a connection_lost already scheduled in
+            # this iteration (a client that hung up as another connected) runs first, so a
+            # --max-connections count does not refuse the newcomer for a connection already gone.
+            self._loop.call_soon(self._made, transport, protocol)
 
-    def _resume_accepting(self, sock: socket.socket) -> None:
+    def _resume_accepting(self, sock: socket.socket, family: int) -> None:
         if self._serving:
-            self._loop.add_reader(sock.fileno(), self._accept, sock)
-
-    def _start(self, conn: socket.socket, addr: Any) -> None:
-        try:
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sockname = conn.getsockname()
-        except OSError:  # reset before we got to it
-            conn.close()
-            return
-        protocol = self._factory()
-        transport = self._transport_type(self._poller, conn, protocol, addr, sockname)
-        # From the loop, as asyncio's transports call it: a connection_lost already scheduled in
-        # this iteration (a client that hung up as another connected) runs first, so a
-        # --max-connections count does not refuse the newcomer for a connection already gone.
-        self._loop.call_soon(self._made, transport, protocol)
+            self._loop.add_reader(sock.fileno(), self._accept, sock, family)
 
     def _made(self, transport: Any, protocol: asyncio.Protocol) -> None:
         try:

@@ -349,6 +349,30 @@ def test_transport_details_and_argument_checks() -> None:
     run(body)
 
 
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_accept_returns_a_ready_connection_or_none_without_raising(family: socket.AddressFamily) -> None:
+    """netio's accept in C: None on an empty listener (socket.accept raised BlockingIOError there, and
+    each burst of connections ended on one); a connection non-blocking, close-on-exec, with TCP_NODELAY,
+    and its peer address as the socket module gives it."""
+    accept = c_transport().accept
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.socket(family) as listener:
+        listener.bind((host, 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        assert accept(listener.fileno()) is None
+        with socket.create_connection(listener.getsockname()[:2], timeout=TIMEOUT) as peer:
+            accepted = wait_until(lambda: accept(listener.fileno()), TIMEOUT, "a connection to accept")
+            fd, address = accepted
+            with socket.socket(family, socket.SOCK_STREAM, 0, fd) as conn:
+                assert address == peer.getsockname() == conn.getpeername()
+                assert not os.get_blocking(fd) and not os.get_inheritable(fd)
+                assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            assert accept(listener.fileno()) is None
+    with socket.socket(family) as idle, pytest.raises(OSError):  # not listening (EINVAL): an error, not None
+        accept(idle.fileno())
+
+
 def test_out_of_descriptors_pauses_accepting_and_reports_it() -> None:
     """EMFILE on accept: reported to the loop's handler (the broker counts accept_errors) and
     accepting pauses instead of spinning on a listener that stays readable; it resumes."""

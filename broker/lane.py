@@ -109,10 +109,13 @@ class LaneConnection(BrokerConnection):
             job_id = queue.next_id
             tube = client.use
             if (tail or len(rest) != size + 2
-                    or queue.draining or queue.puts_capped or not client.producer or job_id >> tube.ready_shift):
+                    or queue.draining or queue.puts_capped or job_id >> tube.ready_shift):
                 self._general(data)
                 return
             queue.lane_puts += 1  # a put command and a job created (Queue.counted_ops, jobs_created)
+            if not client.producer:  # Queue._set_producer: the client's first put (a connection per job: its only)
+                client.producer = True
+                queue.producers += 1
             queue.next_id = job_id + 1
             now = queue.clock()
             created = queue.recent_now

@@ -141,6 +141,7 @@ else:
            b"delete 1\r", b"reserve\r\nreserve\r\n", b"reserve-with-timeout 1\r\n", b"reserve-with-timeout 00\r\n",
            b"reserve-with-timeout  0\r\n", b"pause-tube a 1\r\n", b"pause-tube default 0\r\n", b"peek-ready\r\n",
            b"kick 3\r\n", b"put 1024 0 120 5\r\nhel", b"lo\r\n", b"put 1024 0 120 2\r\nhixx",
+           b"put 1024 0 120 4\r\na\r\nb\r\n", b"put 1024 0 120 5\r\nhello\r\r\n", b"put 1024 0 120 5\r",
            b"delete " + b"1" * 5000 + b"\r\n")
 
     def command(draw: Callable[[list[Any]], Any]) -> bytes:
@@ -256,8 +257,8 @@ else:
             server = BrokerServer(ServerConfig(busy_poll_us=0))
             assert connection_class(server.state) is LaneConnection
             conn, transport = connect(server, LaneConnection)
-            # A client's first put and reserve, and each packet's first time, take the general path (it
-            # makes the client a producer and a worker, and parses the line the lane then keeps)
+            # A client's first packet and first reserve, and each packet's first time, take the general path
+            # (it notes the input, makes the client a worker, and parses the line the lane then keeps)
             for packet in (b"put 1024 0 60 5\r\nhello\r\n", b"reserve\r\n", b"delete 1\r\n",
                            b"put 1024 0 60 5\r\nhello\r\n", b"reserve-with-timeout 0\r\n", b"delete 2\r\n"):
                 conn.data_received(packet)
@@ -276,6 +277,27 @@ else:
             assert transport.take().startswith(b"RESERVED")
             general, _ = connect(server, BrokerConnection)
             assert len(calls_during(general, b"put 1024 0 60 5\r\nhello\r\n")) >= 5
+
+        run(body)
+
+    def test_a_new_clients_first_put_takes_the_lane() -> None:
+        """A producer that connects for each job sends `use` and one put: that put, its first, is served
+        by the lane (made a producer there, as Queue._set_producer does), not by the general path."""
+        def body() -> None:
+            server = BrokerServer(ServerConfig(busy_poll_us=0))
+            put = b"put 1024 0 60 5\r\nhello\r\n"
+            first, transport = connect(server, LaneConnection)
+            first.data_received(b"use default\r\n")
+            first.data_received(put)  # parsed once by the general path, and its line kept for the lane
+            assert transport.take().endswith(b"INSERTED 1\r\n") and server.queue.producers == 1
+            for n in (2, 3):
+                conn, transport = connect(server, LaneConnection)
+                conn.data_received(b"use default\r\n")  # a connection's first packet: the general path
+                assert calls_during(conn, put) == []
+                assert transport.take() == b"USING default\r\nINSERTED %d\r\n" % n
+                assert conn.client.producer and server.queue.producers == 2  # current-producers
+                conn.connection_lost(None)
+                assert server.queue.producers == 1
 
         run(body)
 

@@ -19,7 +19,8 @@ consecutive misses, so a server whose clients pause longer than the window stops
 polling almost at once; one poll that catches a command resets this. A poll whose
 ``sched_yield`` comes back late (another process had the CPU) ends at once and counts as a
 miss: a polling process is runnable, so a command cannot wake it ahead of a CPU-bound
-neighbour, while a sleeping one is woken at once. A broker with
+neighbour, while a sleeping one is woken at once. When the last client connection closes, a poll on
+ends at its next turn: no command can come until a new connection wakes the loop anyway. A broker with
 ``--busy-poll-us 0`` never polls (beanstalkd's behaviour).
 """
 from __future__ import annotations
@@ -118,6 +119,15 @@ class BusyPoll:
         does from a reply written at once, so the time spent holding does not shorten it."""
         if self.spinning:
             self.deadline = self.clock() + self.window_ns
+
+    def no_clients(self) -> None:
+        """The last client connection closed: no command can come on one, so a poll on ends at its next turn
+        instead of spinning out its window. A producer that connects per job (send, close) left every poll
+        spinning a window after its close; the next connection wakes the loop as any would."""
+        if self.spinning:
+            self.hit = self.hit or self.fresh  # a command noted in this turn still counts as caught
+            self.fresh = False
+            self.deadline = 0
 
     def caught_total(self) -> int:
         """Polls that caught a command, the one still on included."""

@@ -243,7 +243,7 @@ async def _serve(config: ServerConfig, listener: QueueListener | None, ready: Ca
         if http_sock is not None:
             from broker.http import HttpListener
 
-            local = (lambda: BrokerConnection(server.state)) if dashboard else None
+            local = (lambda: BrokerConnection(server.state, internal=True)) if dashboard else None
             listeners.append(HttpListener(server, http_sock, local))
             listeners[0].start_soon()
 

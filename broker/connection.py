@@ -170,6 +170,7 @@ class BrokerConnection(asyncio.Protocol):
         "eof",
         "flow",
         "idle_sweeps",
+        "internal",
         "out",
         "peer",
         "poll",
@@ -180,8 +181,9 @@ class BrokerConnection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, internal: bool = False) -> None:
         self.state = state
+        self.internal = internal  # the broker's own (the dashboard's): a client's close is not the last
         self.queue = state.queue
         self.timer = state.timer
         self.transport: Any = None  # asyncio.Transport once connected (or a test's stand-in)
@@ -221,6 +223,8 @@ class BrokerConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)
         self.client = queue_verbs.connect(self.queue, self._deliver, self.peer)
         state.connections.add(self)
+        if self.internal:
+            state.internal_conns += 1
         if state.config.verbose:
             logs.event(log, logging.INFO, "accept", peer=self.peer)
 
@@ -297,6 +301,11 @@ class BrokerConnection(asyncio.Protocol):
         queue_verbs.disconnect(self.queue, self.client)
         self.client.deliver = _discard  # break the client <-> connection cycle
         self.timer.reschedule()
+        state = self.state
+        if self.internal:
+            state.internal_conns -= 1
+        elif self.poll is not None and self.queue.cur_conns == state.internal_conns:
+            self.poll.no_clients()  # the last client left: nothing can send the next command
         if self.state.config.verbose:
             logs.event(log, logging.INFO, "close", peer=self.peer)
 

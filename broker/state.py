@@ -105,6 +105,7 @@ class ServerState:
         "connections",
         "descriptor_cap",
         "group_commit",
+        "internal_conns",
         "lane_puts",
         "lane_reserves",
         "line_cache",
@@ -122,6 +123,7 @@ class ServerState:
         self.queue = queue
         self.timer = timer
         self.connections: set[BrokerConnection] = set()
+        self.internal_conns = 0  # of those, the broker's own (the dashboard's in-process connection)
         self.line_cache: p.LineCache = {}
         # broker.lane: put lines it may serve -> (priority, TTR as the job holds them, body size)
         self.lane_puts: dict[bytes, tuple[int, int, int]] = {}

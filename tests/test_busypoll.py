@@ -96,6 +96,32 @@ def test_the_window_counts_from_when_held_replies_leave() -> None:
     poll.replied()  # no poll on: nothing happens
     assert not poll.spinning and rig.loop.soon == []
 
+def test_a_poll_ends_at_its_next_turn_once_no_client_is_left() -> None:
+    """The last client connection closed (a producer that connects per job): nothing can send the
+    next command, so the poll stops at its next turn instead of spinning out its window."""
+    rig = Rig(window_us=1000)
+    poll = rig.poll
+    poll.no_clients()  # no poll on: nothing happens
+    assert not poll.spinning and rig.loop.soon == []
+    poll.note_input()  # the client's `use`
+    rig.now += 30_000
+    poll.note_input()  # its `put`, caught by the poll
+    rig.loop.turn()
+    poll.no_clients()  # then it hangs up
+    rig.now += 10_000
+    rig.loop.turn()
+    assert not poll.spinning and rig.loop.soon == []  # one more turn, not the 1 ms window
+    assert poll.caught == 1 and poll.misses == 0 and poll.skip == 0  # it caught the put: no back-off
+    assert poll.spun_ns == 10_000
+    # a command noted in the very turn the last client left still counts as caught
+    poll.note_input()
+    poll.note_input()
+    poll.no_clients()
+    rig.now += 10_000
+    rig.loop.turn()
+    assert not poll.spinning and poll.caught == 2 and rig.loop.soon == []
+
+
 def test_polls_that_catch_nothing_back_off_exponentially_and_one_catch_resets() -> None:
     rig = Rig(window_us=50)
     poll = rig.poll
@@ -214,6 +240,27 @@ def test_a_client_slower_than_the_window_turns_polling_off(polled_broker) -> Non
     assert polls <= 30, f"{polls} polls: polling did not back off"
     assert caught <= 5
     assert idle < 0.05
+
+
+@pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "1000"]], indirect=True)
+def test_a_producer_that_connects_per_job_leaves_no_poll_spinning(polled_broker) -> None:
+    """Connect, `use`, `put`, close, 200 times, each after the last has closed. The poll that catches the
+    put (so no back-off) spun its whole 1 ms window after the client hung up; now it stops at the close."""
+    sock, http = polled_broker
+    host, port = sock.getpeername()
+    sock.close()  # the fixture's own connection: none may stay open, or the others' closes are not the last
+    for _ in range(200):
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(b"use default\r\n")
+            assert conn.recv(64) == b"USING default\r\n"
+            _put(conn)
+        time.sleep(0.003)  # the next producer comes later than the window
+    polls, caught, idle = _poll_counts(http)
+    assert polls is not None and caught is not None and idle is not None
+    # Without the stop, every poll that caught its put spins 1 ms idle after the close (a CPU-bound
+    # neighbour ends polls early instead, and they back off: fewer polls, each short).
+    assert idle < polls * 0.0004, f"{polls} polls ({caught} caught a command) spun {idle:.3f} s idle"
 
 
 @pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "0"]], indirect=True)

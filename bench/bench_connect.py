@@ -15,6 +15,7 @@ broker_bench.py does with one connection. ``ours-poll0`` (and ``ours-pure-poll0`
 connection-per-job client its replies sooner and shows up here as server CPU.
 
     python bench/bench_connect.py                          # 3 repetitions of 3,000 connections (~1.5 min)
+    python bench/bench_connect.py --gap-us 1000            # producers that come 1 ms apart, not back to back
     python bench/bench_connect.py --connections 10000 --reps 5 --servers beanstalkd,ours-poll0
 
 Prints a markdown table and writes bench/out/connect.json (``--out``).
@@ -68,7 +69,7 @@ def one_connection(host: str, port: int) -> None:
 NO_POLL = "-poll0"
 
 
-def one_run(label: str, connections: int, floor: str | None) -> dict:
+def one_run(label: str, connections: int, floor: str | None, gap_s: float = 0.0) -> dict:
     """label: a server kind of bench/servers.py, or ours / ours-pure + "-poll0" (``--busy-poll-us 0``)."""
     kind = label.removesuffix(NO_POLL)
     args = ["--busy-poll-us", "0"] if label.endswith(NO_POLL) else []
@@ -82,6 +83,8 @@ def one_run(label: str, connections: int, floor: str | None) -> dict:
         start = time.perf_counter()
         for _ in range(connections):
             one_connection(srv.host, srv.port)
+            if gap_s:
+                time.sleep(gap_s)
         wall = time.perf_counter() - start
         # The last connections' teardown runs after the client's close: let the server finish it.
         time.sleep(0.2)
@@ -99,6 +102,8 @@ def main() -> int:
                     help="comma list: kinds of bench/servers.py, and ours / ours-pure with -poll0 (no busy poll)")
     ap.add_argument("--connections", type=int, default=3000, help="measured connections per server and repetition")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians are reported)")
+    ap.add_argument("--gap-us", type=int, default=0,
+                    help="pause after each connection (producers that come apart; 0: back to back, the default)")
     ap.add_argument("--floor", default=None, help="path of python_floor.py (default: shared/tools/ beside the repo)")
     ap.add_argument("--out", default=str(benchlib.OUT / "connect.json"), help="where to write the JSON")
     opts = ap.parse_args()
@@ -110,18 +115,20 @@ def main() -> int:
         ap.error(f"unknown server kind(s) {unknown}: choose from {', '.join(known)}")
     if opts.connections < 1 or opts.reps < 1:
         ap.error("--connections and --reps must be at least 1")
+    if opts.gap_us < 0:
+        ap.error("--gap-us must be 0 or more")
     load = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for _ in range(opts.reps):
         for kind in kinds:
-            runs[kind].append(one_run(kind, opts.connections, opts.floor))
+            runs[kind].append(one_run(kind, opts.connections, opts.floor, opts.gap_us / 1e6))
     rows = {k: {"per_s": statistics.median(r["per_s"] for r in rs),
                 "cpu_us": statistics.median(r["server_cpu_us_per_conn"] for r in rs)} for k, rs in runs.items()}
     meta = {"machine": servers.machine(),
             "builds": {k: servers.build_of_ours(k == "ours-pure") for k in ("ours", "ours-pure")
                        if any(label.removesuffix(NO_POLL) == k for label in kinds)},
             "git": bb.git_info(), "loadavg_1m": [load, os.getloadavg()[0]], "reps": opts.reps,
-            "connections": opts.connections}
+            "connections": opts.connections, "gap_us": opts.gap_us}
     base = rows.get("beanstalkd", {}).get("cpu_us")
     floor_cpu = rows.get("floor", {}).get("cpu_us")
     print("| server | connections/s (this client) | server CPU us / connection | CPU vs beanstalkd | CPU vs floor |")
@@ -130,7 +137,8 @@ def main() -> int:
         vs_bs = f"{row['cpu_us'] / base:.2f}x" if base else "-"
         vs_floor = f"{row['cpu_us'] / floor_cpu:.2f}x" if floor_cpu else "-"
         print(f"| {kind} | {row['per_s'] / 1000:.1f}k | {row['cpu_us']:.1f} | {vs_bs} | {vs_floor} |")
-    print(f"\nconnect, use, put (100 bytes), close; {opts.connections} connections x {opts.reps} repetitions, "
+    gap = f", {opts.gap_us} us apart" if opts.gap_us else ", back to back"
+    print(f"\nconnect, use, put (100 bytes), close{gap}; {opts.connections} connections x {opts.reps} repetitions, "
           f"medians; {bb.machine_line(meta)}; git {meta['git']['commit']}; "
           f"load average {load:.2f} -> {meta['loadavg_1m'][1]:.2f}")
     out = Path(opts.out)

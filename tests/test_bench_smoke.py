@@ -132,14 +132,18 @@ def test_bench_busypoll_one_gap_each_server():
 def test_bench_connect_costs_each_server_per_connection(tmp_path):
     out = tmp_path / "connect.json"
     res = subprocess.run([sys.executable, str(BENCH / "bench_connect.py"), "--servers", "beanstalkd,ours-poll0",
-                          "--connections", "300", "--reps", "1", "--out", str(out)],
+                          "--connections", "300", "--reps", "1", "--gap-us", "100", "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert list(rows) == ["beanstalkd", "ours-poll0"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert list(rows) == ["beanstalkd", "ours-poll0"] and data["meta"]["gap_us"] == 100
     for row in rows.values():
         assert row["per_s"] > 50 and row["cpu_us"] > 0, row
-    assert "| ours-poll0 |" in res.stdout and "load average" in res.stdout
+    assert "| ours-poll0 |" in res.stdout and "100 us apart" in res.stdout and "load average" in res.stdout
+    negative = subprocess.run([sys.executable, str(BENCH / "bench_connect.py"), "--gap-us", "-1"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert negative.returncode == 2 and "--gap-us" in negative.stderr
     bad = subprocess.run([sys.executable, str(BENCH / "bench_connect.py"), "--servers", "floor-poll0"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "unknown server kind" in bad.stderr

@@ -306,7 +306,7 @@ class BrokerConnection(asyncio.Protocol):
             state.internal_conns -= 1
         elif self.poll is not None and self.queue.cur_conns == state.internal_conns:
             self.poll.no_clients()  # the last client left: nothing can send the next command
-        if self.state.config.verbose:
+        if state.config.verbose:
             logs.event(log, logging.INFO, "close", peer=self.peer)
 
     def pause_writing(self) -> None:

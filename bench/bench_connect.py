@@ -23,12 +23,10 @@ Prints a markdown table and writes bench/out/connect.json (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import benchlib
 
@@ -141,9 +139,7 @@ def main() -> int:
     print(f"\nconnect, use, put (100 bytes), close{gap}; {opts.connections} connections x {opts.reps} repetitions, "
           f"medians; {bb.machine_line(meta)}; git {meta['git']['commit']}; "
           f"load average {load:.2f} -> {meta['loadavg_1m'][1]:.2f}")
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
+    benchlib.write_json(opts.out, {"meta": meta, "rows": rows, "runs": runs})
     return 0
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import sys
-from pathlib import Path
 
 import benchlib
 
@@ -77,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
           f"started {started}, commit {meta['git']['commit']}; load average {load:.2f} at the start, "
           f"{meta['loadavg_end']:.2f} at the end")
     print(bb.machine_line(meta))
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    benchlib.write_json(opts.out, {"meta": meta, "rows": rows})
     return 0
 
 

@@ -1,4 +1,5 @@
-"""What the bench scripts share: their paths, the repository on sys.path, broker_bench's helpers.
+"""What the bench scripts share: their paths, the repository on sys.path, broker_bench's helpers,
+the JSON file each writes.
 
 Each script runs as `python bench/NAME.py`, so this directory is first on sys.path and
 `import benchlib` finds this module; importing it puts the repository root there too, so
@@ -7,6 +8,7 @@ the scripts then import `spark_beanstalk` and `broker` from the checkout.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,3 +27,12 @@ def broker_bench() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_json(path: str | Path, data: object) -> Path:
+    """A script's results as JSON at ``path`` (its directory made if missing); values JSON cannot hold
+    (paths, times) written as their str."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1, default=str))
+    return out

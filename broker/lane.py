@@ -224,8 +224,10 @@ class LaneConnection(BrokerConnection):
                 # made yet reads None from its slot too: the general path makes it.
                 top = jobs.overflow.get(job_id) if page is None else page.slots[job_id & PAGE_MASK]
                 # Tube.ready_live. Not its `job.tube is self`: the slot of an id holds that job only, and a
-                # job's tube never changes (ids are never reused).
-                if top is None or top.state != READY or top.pri != entry >> tube.ready_shift:
+                # job's tube never changes (ids are never reused). Nor the rest on a clean tube, whose every
+                # entry is a ready job's (Tube.ready_clean): only a lazy job not made yet reads None there.
+                if top is None or (not tube.ready_clean
+                                   and (top.state != READY or top.pri != entry >> tube.ready_shift)):
                     self._general(data)  # a stale entry on top: the general path drops it
                     return
                 if job is None or top.pri < job.pri or (top.pri == job.pri and top.id < job.id):

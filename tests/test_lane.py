@@ -147,7 +147,8 @@ else:
     def command(draw: Callable[[list[Any]], Any]) -> bytes:
         """One packet, drawn by ``draw(options)`` (hypothesis or a seeded random.choice)."""
         kind = draw(["put", "put", "put", "put", "reserve", "reserve", "rwt0", "delete", "delete", "delete",
-                     "release", "bury", "touch", "kick-job", "peek", "use", "watch", "ignore", "odd", "tick"])
+                     "release", "bury", "touch", "kick-job", "reserve-job", "peek", "use", "watch", "ignore", "odd",
+                     "tick"])
         job_id = draw(list(range(1, 13)))
         if kind == "put":
             body = draw([b"", b"x", b"hello"])
@@ -160,7 +161,7 @@ else:
             return b"reserve-with-timeout 0\r\n"
         if kind == "delete" and draw([True, True, False]):
             return b"DELETE-HELD"  # a worker deleting what it reserved: the oldest job it holds, at play time
-        if kind in ("delete", "touch", "kick-job", "peek"):
+        if kind in ("delete", "touch", "kick-job", "reserve-job", "peek"):
             return b"%s %d\r\n" % (kind.encode(), job_id)
         if kind == "release":
             return b"release %d %d %d\r\n" % (job_id, draw(PRIS), draw([0, 0, 1]))
@@ -309,6 +310,26 @@ else:
             pair.send(0, b"put 7 0 60 2\r\nhi\r\n")
             for _, conns in pair.sides:
                 assert not conns[1][0].client.waiting
+            pair.check_state()
+
+        run(body)
+
+    def test_a_job_reserved_by_id_off_the_top_is_not_reserved_again() -> None:
+        """reserve-job of the ready top leaves its entry stale with the job alive (RESERVED): the lane's next
+        reserve must not hand it out again, and the tube is no longer clean (Tube.ready_clean)."""
+        def body() -> None:
+            pair = Pair()
+            for _ in range(4):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            for _ in range(2):  # a worker, and its reserve packet known to the lane
+                pair.send(1, b"reserve\r\n")
+                pair.delete_oldest_held(1)
+            pair.send(2, b"reserve-job 3\r\n")
+            for server, conns in pair.sides:
+                assert not [t for t in server.queue.tubes.items if t.name == "default"][0].ready_clean
+                conn, transport = conns[1]
+                conn.data_received(b"reserve\r\n")
+                assert transport.take() == b"RESERVED 4 1\r\nx\r\n"
             pair.check_state()
 
         run(body)

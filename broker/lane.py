@@ -112,7 +112,6 @@ class LaneConnection(BrokerConnection):
                     or queue.draining or queue.puts_capped or job_id >> tube.ready_shift):
                 self._general(data)
                 return
-            queue.lane_puts += 1  # a put command and a job created (Queue.counted_ops, jobs_created)
             if not client.producer:  # Queue._set_producer: the client's first put (a connection per job: its only)
                 client.producer = True
                 queue.producers += 1
@@ -150,7 +149,7 @@ class LaneConnection(BrokerConnection):
             else:
                 jobs.put(job_id, job)
             queue.held_bytes += size
-            tube.total_jobs += 1
+            tube.total_jobs += 1  # and the queue's put and job counts (Queue.dropped_jobs, jobs_created)
             entry = (pri << tube.ready_shift) | job_id  # Tube.push_ready
             run = tube.ready_run
             if not run or entry > run[-1]:

@@ -155,10 +155,10 @@ class Queue:
         self.cmd_reserve = 0
         self.cmd_delete = 0
         self.cmd_reserve_timeout = 0
-        # Puts the interpreted lane served (broker.lane): each is both a put command and a job created,
-        # so one count here stands for both cmd_put and total_jobs (an int add less a put); see
-        # counted_ops() and jobs_created().
-        self.lane_puts = 0
+        # Jobs created in the tubes forgotten since (drop_if_unused): with the live tubes' total_jobs, stats'
+        # total-jobs. The interpreted lane counts a put in its tube only (an int add less a put): its puts are
+        # what that sum holds beyond total_jobs, the general path's count (jobs_created, counted_ops).
+        self.dropped_jobs = 0
         self.timeout_ct = 0
         self.total_jobs = 0
         self.waiting_ct = 0
@@ -185,15 +185,15 @@ class Queue:
     def counted_ops(self) -> dict[str, int]:
         """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
         counts = dict(self.op_counts)
-        counts["put"] += self.cmd_put + self.lane_puts
+        counts["put"] += self.cmd_put + self.jobs_created() - self.total_jobs  # the lane's puts: see dropped_jobs
         counts["reserve"] += self.cmd_reserve
         counts["delete"] += self.cmd_delete
         counts["reserve-with-timeout"] += self.cmd_reserve_timeout
         return counts
 
     def jobs_created(self) -> int:
-        """stats' total-jobs: the jobs put since start (the general path's count and the lane's)."""
-        return self.total_jobs + self.lane_puts
+        """stats' total-jobs: the jobs put since start, counted in their tubes (the lane's puts too)."""
+        return self.dropped_jobs + sum(tube.total_jobs for tube in self.tubes.items)
 
     # -- tubes -------------------------------------------------------------------
     def _tube_for_client(self, client: Client, name: str) -> Tube | None:
@@ -224,6 +224,7 @@ class Queue:
                 or tube.buried or tube is self.default_tube):
             del self.tube_by_name[tube.name]
             self.tubes.remove(tube)
+            self.dropped_jobs += tube.total_jobs
             self.waited_tubes.pop(tube, None)
             tube.pause = 0  # its unpause timer entry is stale now: compaction may drop it (and the tube)
 

@@ -334,6 +334,28 @@ else:
 
         run(body)
 
+    def test_puts_in_a_forgotten_tube_still_count() -> None:
+        """The lane counts a put in its tube only; the queue's total-jobs and cmd-put sum the tubes. A tube
+        forgotten once its last client and job go (drop_if_unused) must leave its puts in both."""
+        def body() -> None:
+            pair = Pair()
+            pair.send(0, b"use gone\r\n")
+            pair.send(1, b"watch gone\r\n")
+            for _ in range(3):
+                pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+                pair.send(1, b"reserve\r\n")
+                pair.delete_oldest_held(1)
+            pair.send(0, b"use default\r\n")
+            pair.send(1, b"ignore gone\r\n")
+            pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            for server, _ in pair.sides:
+                queue = server.queue
+                assert "gone" not in [t.name for t in queue.tubes.items]
+                assert queue.jobs_created() == 4 and queue.counted_ops()["put"] == 4
+            pair.check_state()
+
+        run(body)
+
     def test_long_queues_compact_and_prune_as_the_general_path() -> None:
         """What only long queues reach: the ready run's served prefix dropped (1,024 served), the
         ready heap rebuilt once stale entries dominate, a worker's deadline heap pruned."""

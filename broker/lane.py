@@ -297,7 +297,6 @@ class LaneConnection(BrokerConnection):
             if held is None:
                 self._general(data)
                 return
-            queue.cmd_delete += 1
             del reserved[job_id]
             held.reserver = None
             tube = held.tube
@@ -306,7 +305,7 @@ class LaneConnection(BrokerConnection):
                 client.deadlines.clear()  # every entry left is stale
             else:
                 client.prune_deadlines()
-            tube.total_deletes += 1
+            tube.total_deletes += 1  # and the queue's cmd-delete (Queue.deletes_made, counted_ops)
             held.state = INVALID
             jobs = queue.jobs  # JobTable.pop, when its page stays (not sparse, or the newest) and has no lazy jobs
             index = (job_id >> PAGE_BITS) - jobs.base

@@ -159,6 +159,10 @@ class Queue:
         # total-jobs. The interpreted lane counts a put in its tube only (an int add less a put): its puts are
         # what that sum holds beyond total_jobs, the general path's count (jobs_created, counted_ops).
         self.dropped_jobs = 0
+        # The same for deletes: the tubes' total_deletes (and the forgotten tubes') beyond those the queue made
+        # itself (delete, a replica's apply_delete) are the lane's, each a delete command too (counted_ops).
+        self.dropped_deletes = 0
+        self.deletes_made = 0
         self.timeout_ct = 0
         self.total_jobs = 0
         self.waiting_ct = 0
@@ -183,11 +187,13 @@ class Queue:
         return urgent, ready, reserved, delayed, buried
 
     def counted_ops(self) -> dict[str, int]:
-        """The cmd-* counters by command name: op_counts with the hot path's native counters added."""
+        """The cmd-* counters by command name: op_counts with the hot path's native counters added, and the
+        interpreted lane's puts and deletes, which it counts in their tubes only (see dropped_jobs)."""
         counts = dict(self.op_counts)
         counts["put"] += self.cmd_put + self.jobs_created() - self.total_jobs  # the lane's puts: see dropped_jobs
         counts["reserve"] += self.cmd_reserve
-        counts["delete"] += self.cmd_delete
+        counts["delete"] += self.cmd_delete + self.dropped_deletes - self.deletes_made + sum(
+            tube.total_deletes for tube in self.tubes.items)
         counts["reserve-with-timeout"] += self.cmd_reserve_timeout
         return counts
 
@@ -225,6 +231,7 @@ class Queue:
             del self.tube_by_name[tube.name]
             self.tubes.remove(tube)
             self.dropped_jobs += tube.total_jobs
+            self.dropped_deletes += tube.total_deletes
             self.waited_tubes.pop(tube, None)
             tube.pause = 0  # its unpause timer entry is stale now: compaction may drop it (and the tube)
 
@@ -599,6 +606,7 @@ class Queue:
             return p.NOT_FOUND
         tube = job.tube
         tube.total_deletes += 1
+        self.deletes_made += 1
         job.state = INVALID
         self.jobs.pop(job_id)
         self.held_bytes -= len(job.body)

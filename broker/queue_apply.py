@@ -54,6 +54,7 @@ def apply_delete(queue: Queue, job_id: int) -> None:
     _detach(queue, job)
     tube = job.tube
     tube.total_deletes += 1
+    queue.deletes_made += 1  # not a delete command (Queue.counted_ops)
     job.state = INVALID
     del queue.jobs[job_id]
     queue.held_bytes -= len(job.body)

@@ -90,9 +90,9 @@ else:
                               t.ready_clean)
                      for t in queue.tubes.items}
             counters = {name: getattr(queue, name) for name in (
-                "next_id", "held_bytes", "cmd_reserve", "cmd_reserve_timeout", "cmd_delete", "waiting_ct",
-                "producers", "workers")}
-            counters.update(total_jobs=queue.jobs_created(), cmd_put=queue.counted_ops()["put"])
+                "next_id", "held_bytes", "cmd_reserve", "cmd_reserve_timeout", "waiting_ct", "producers", "workers")}
+            counters.update(total_jobs=queue.jobs_created(), cmd_put=queue.counted_ops()["put"],
+                            cmd_delete=queue.counted_ops()["delete"])
             clients = [(sorted(conn.client.reserved), conn.client.waiting, conn.client.ttr_armed,
                         sorted(conn.client.deadlines)) for conn, _ in conns]
             return {"jobs": jobs, "tubes": tubes, "counters": counters, "ops": dict(queue.op_counts),
@@ -334,9 +334,9 @@ else:
 
         run(body)
 
-    def test_puts_in_a_forgotten_tube_still_count() -> None:
-        """The lane counts a put in its tube only; the queue's total-jobs and cmd-put sum the tubes. A tube
-        forgotten once its last client and job go (drop_if_unused) must leave its puts in both."""
+    def test_puts_and_deletes_in_a_forgotten_tube_still_count() -> None:
+        """The lane counts a put or a delete in its tube only; the queue's total-jobs, cmd-put and cmd-delete sum
+        the tubes. A tube forgotten once its last client and job go (drop_if_unused) must leave its counts in them."""
         def body() -> None:
             pair = Pair()
             pair.send(0, b"use gone\r\n")
@@ -348,10 +348,12 @@ else:
             pair.send(0, b"use default\r\n")
             pair.send(1, b"ignore gone\r\n")
             pair.send(0, b"put 5 0 60 1\r\nx\r\n")
+            pair.send(1, b"delete 99\r\n")  # NOT_FOUND: a delete command all the same
             for server, _ in pair.sides:
                 queue = server.queue
                 assert "gone" not in [t.name for t in queue.tubes.items]
                 assert queue.jobs_created() == 4 and queue.counted_ops()["put"] == 4
+                assert queue.counted_ops()["delete"] == 4
             pair.check_state()
 
         run(body)

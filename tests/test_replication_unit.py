@@ -178,6 +178,9 @@ def test_replaying_a_put_and_its_delete_recreates_and_deletes_the_job():
     applier.pos = Position(5, 0)
     applier.apply(records)
     assert _state(replica) == {2: ("default", 0, 5, b"kept", 0, 0, 0, 0)}
+    # An applied delete is a tube's delete, not a delete command (Queue.deletes_made): nor is a queue-level call
+    assert [t.total_deletes for t in replica.tubes.items] == [2]
+    assert replica.counted_ops()["delete"] == 0 and leader.counted_ops()["delete"] == 0
 
 
 class Member:

@@ -44,10 +44,18 @@ _object_new: Final = object.__new__
 class LaneConnection(BrokerConnection):
     """A :class:`BrokerConnection` whose ``data_received`` serves the lane's commands itself."""
 
-    __slots__ = ("lane_open",)
+    __slots__ = ("lane_open", "put_line", "put_prepared", "reserve_packet", "reserve_timed")
 
     def __init__(self, state: ServerState) -> None:
         super().__init__(state)
+        # This client's last put line and reserve packet the lane served, with what the server's caches
+        # (ServerState.lane_puts, lane_reserves) hold for them: a client sends the same ones again and again,
+        # and a bytes compare costs less than hashing a new packet for a dict look-up. b"": none yet (a put
+        # line starts with "p", a reserve packet with "r").
+        self.put_line = b""
+        self.put_prepared = (0, 0, 0)
+        self.reserve_packet = b""
+        self.reserve_timed = False
         # True only while the lane may serve the next packet: not closing, nothing buffered or half-read, no
         # reserve waiting, replies not paused, and the packet's arrival already noted for the idle sweep. Set
         # after each packet of the general path (_general), which is the only one that can change those
@@ -97,11 +105,17 @@ class LaneConnection(BrokerConnection):
         first = data[0]
         if first == 112:  # "p": put (Decoder.parse_packet + Queue.put + _enqueue + JobTable.put)
             line, _, rest = data.partition(b"\r\n")  # a cached line holds no CR: this is its first one
-            prepared = self.state.lane_puts.get(line)
-            if prepared is None:
-                self._general(data)
-                self._prepare_put(line)
-                return
+            prepared: tuple[int, int, int] | None
+            if line == self.put_line:
+                prepared = self.put_prepared
+            else:
+                prepared = self.state.lane_puts.get(line)
+                if prepared is None:
+                    self._general(data)
+                    self._prepare_put(line)
+                    return
+                self.put_line = line
+                self.put_prepared = prepared
             pri, ttr, size = prepared
             # The body and the CRLF ending the packet: nothing after the last CRLF, and size + 2 bytes in all
             # (which a rest without any CRLF, whose "body" is empty, cannot have).
@@ -170,11 +184,17 @@ class LaneConnection(BrokerConnection):
                 self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
             return
         elif first == 114:  # "r": reserve (Queue.reserve + _fast_reserve + Tube.ready_top + _reserve)
-            timed = self.state.lane_reserves.get(data)
-            if timed is None:
-                self._general(data)
-                self._prepare_reserve(data)
-                return
+            timed: bool | None
+            if data == self.reserve_packet:
+                timed = self.reserve_timed
+            else:
+                timed = self.state.lane_reserves.get(data)
+                if timed is None:
+                    self._general(data)
+                    self._prepare_reserve(data)
+                    return
+                self.reserve_packet = data
+                self.reserve_timed = timed
             if not client.worker:
                 self._general(data)
                 return

@@ -276,6 +276,9 @@ else:
             assert transport.take().startswith(b"INSERTED")
             assert calls_during(conn, b"reserve-with-timeout 0\r\n") == []
             assert transport.take().startswith(b"RESERVED")
+            # The client's last put line and reserve packet are kept on its connection (no hashing next time)
+            assert conn.put_line == b"put 1024 0 60 5" and conn.put_prepared == (1024, 60, 5)
+            assert conn.reserve_packet == b"reserve-with-timeout 0\r\n" and conn.reserve_timed
             general, _ = connect(server, BrokerConnection)
             assert len(calls_during(general, b"put 1024 0 60 5\r\nhello\r\n")) >= 5
 

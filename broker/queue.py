@@ -190,16 +190,24 @@ class Queue:
         """The cmd-* counters by command name: op_counts with the hot path's native counters added, and the
         interpreted lane's puts and deletes, which it counts in their tubes only (see dropped_jobs)."""
         counts = dict(self.op_counts)
-        counts["put"] += self.cmd_put + self.jobs_created() - self.total_jobs  # the lane's puts: see dropped_jobs
+        created, deleted = self.tube_totals()
+        counts["put"] += self.cmd_put + created - self.total_jobs  # the lane's puts: see dropped_jobs
         counts["reserve"] += self.cmd_reserve
-        counts["delete"] += self.cmd_delete + self.dropped_deletes - self.deletes_made + sum(
-            tube.total_deletes for tube in self.tubes.items)
+        counts["delete"] += self.cmd_delete + deleted - self.deletes_made
         counts["reserve-with-timeout"] += self.cmd_reserve_timeout
         return counts
 
     def jobs_created(self) -> int:
         """stats' total-jobs: the jobs put since start, counted in their tubes (the lane's puts too)."""
-        return self.dropped_jobs + sum(tube.total_jobs for tube in self.tubes.items)
+        return self.tube_totals()[0]
+
+    def tube_totals(self) -> tuple[int, int]:
+        """(jobs created, jobs deleted) over every tube since start, the forgotten ones included: one pass."""
+        created, deleted = self.dropped_jobs, self.dropped_deletes
+        for tube in self.tubes.items:
+            created += tube.total_jobs
+            deleted += tube.total_deletes
+        return created, deleted
 
     # -- tubes -------------------------------------------------------------------
     def _tube_for_client(self, client: Client, name: str) -> Tube | None:

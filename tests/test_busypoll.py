@@ -8,6 +8,7 @@ process beside the broker does not make polling hurt, and ``--busy-poll-us 0`` n
 """
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -244,23 +245,30 @@ def test_a_client_slower_than_the_window_turns_polling_off(polled_broker) -> Non
 
 @pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "1000"]], indirect=True)
 def test_a_producer_that_connects_per_job_leaves_no_poll_spinning(polled_broker) -> None:
-    """Connect, `use`, `put`, close, 200 times, each after the last has closed. The poll that catches the
-    put (so no back-off) spun its whole 1 ms window after the client hung up; now it stops at the close."""
+    """Connect, `use`, `put`, close, each after the last has closed. The poll that catches the put
+    (so no back-off) spun its whole 1 ms window after the client hung up; now it stops at the close."""
     sock, http = polled_broker
     host, port = sock.getpeername()
     sock.close()  # the fixture's own connection: none may stay open, or the others' closes are not the last
-    for _ in range(200):
+    # 200 producers; more while fewer than 20 polls caught their put (a loaded machine makes the client
+    # slower than the window, and a poll that catches nothing rightly spins it out)
+    deadline = time.monotonic() + 10
+    for count in itertools.count(1):
         with socket.create_connection((host, port), timeout=10) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(b"use default\r\n")
             assert conn.recv(64) == b"USING default\r\n"
             _put(conn)
         time.sleep(0.003)  # the next producer comes later than the window
+        if count >= 200 and count % 50 == 0 and (time.monotonic() > deadline
+                                                 or (_poll_counts(http)[1] or 0) >= 20):
+            break
     polls, caught, idle = _poll_counts(http)
     assert polls is not None and caught is not None and idle is not None
-    # Without the stop, every poll that caught its put spins 1 ms idle after the close (a CPU-bound
-    # neighbour ends polls early instead, and they back off: fewer polls, each short).
-    assert idle < polls * 0.0004, f"{polls} polls ({caught} caught a command) spun {idle:.3f} s idle"
+    # A poll that caught nothing spins its window (up to 1.5 ms with a late turn); one that caught the
+    # put spun a window after the close without the stop, and stops at once with it (0.4 ms allowed).
+    allowed = (polls - caught) * 0.0015 + caught * 0.0004
+    assert idle < allowed, f"{polls} polls ({caught} caught a command) spun {idle:.3f} s idle"
 
 
 @pytest.mark.parametrize("polled_broker", [["--busy-poll-us", "0"]], indirect=True)

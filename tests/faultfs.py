@@ -16,7 +16,9 @@ directory outside the mount), so a test turns a fault on or off by creating or r
   writes touched is lost (back to what it held at the last fsync) or kept with even odds, as
   writeback may have reached the disk for some pages of a file and not for others, in any order.
   ``alternate`` loses every other page of each file (the first one lost): the same shape, for
-  certain.
+  certain. ``kept`` loses nothing written (writeback finished; the fsync's reply did not come);
+* ``power-cut-at-fsync``: the power cut above (the flag's text chooses the same way), at the next
+  ``fsync`` of a file: after the broker's writes of a batch, before it learns that they are durable.
 
 Only file data is modelled: creating, renaming and unlinking files take effect at once. The
 undo log (the bytes each unsynced write replaced) is what makes the loss exact: a lost write
@@ -37,6 +39,13 @@ import mfusepy  # type: ignore[import-untyped]
 PAGE = 4096
 
 
+class Kept:
+    """Every unsynced page reached the disk (``random() < 0.5`` means kept)."""
+
+    def random(self) -> float:
+        return 0.0
+
+
 class Alternate:
     """A coin that alternates: lost, kept, lost... (``random() < 0.5`` means kept)."""
 
@@ -45,6 +54,9 @@ class Alternate:
     def random(self) -> float:
         self.turn = 0.0 if self.turn else 1.0
         return 1.0 - self.turn
+
+
+_PICKS: dict[str, type[Alternate] | type[Kept]] = {"alternate": Alternate, "kept": Kept}
 
 
 @dataclass
@@ -85,7 +97,7 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
             if not self.cut:
                 with open(flag) as fh:
                     seed = fh.read().strip()
-                pick = (Alternate() if seed == "alternate" else random.Random(int(seed))) if seed else None
+                pick = _PICKS[seed]() if seed in _PICKS else random.Random(int(seed)) if seed else None
                 with self.mutex:
                     for path in sorted(self.undo):
                         self._lose(path, pick)
@@ -93,7 +105,7 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
             raise mfusepy.FuseOSError(errno.EIO)
         self.cut = False
 
-    def _lose(self, path: str, pick: random.Random | Alternate | None = None) -> None:
+    def _lose(self, path: str, pick: random.Random | Alternate | Kept | None = None) -> None:
         """Put back what the unsynced writes of ``path`` replaced (caller holds the lock); with
         ``pick``, only in a random half of the pages they touched."""
         undo = self.undo.pop(path, None)
@@ -223,6 +235,9 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
+        armed = os.path.join(self.control, "power-cut-at-fsync")
+        if os.path.exists(armed):
+            os.replace(armed, os.path.join(self.control, "power-cut"))
         self._check_power()
         with self.mutex:
             if self._flag("fail-fsync"):

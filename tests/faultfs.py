@@ -97,7 +97,11 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
             if not self.cut:
                 with open(flag) as fh:
                     seed = fh.read().strip()
-                pick = _PICKS[seed]() if seed in _PICKS else random.Random(int(seed)) if seed else None
+                pick: random.Random | Alternate | Kept | None = None
+                if seed in _PICKS:
+                    pick = _PICKS[seed]()
+                elif seed:
+                    pick = random.Random(int(seed))
                 with self.mutex:
                     for path in sorted(self.undo):
                         self._lose(path, pick)
@@ -235,9 +239,8 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
-        armed = os.path.join(self.control, "power-cut-at-fsync")
-        if os.path.exists(armed):
-            os.replace(armed, os.path.join(self.control, "power-cut"))
+        if self._flag("power-cut-at-fsync"):
+            os.replace(os.path.join(self.control, "power-cut-at-fsync"), os.path.join(self.control, "power-cut"))
         self._check_power()
         with self.mutex:
             if self._flag("fail-fsync"):

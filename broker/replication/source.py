@@ -245,6 +245,10 @@ class ReplicationSource(QueueListener):
                         break
             session.send(b"".join(piece))
             await session.drain()
+            # drain() returns at once while the transport holds less than its high-water mark, which
+            # a loopback socket's large send buffer keeps it under for megabytes: without a turn of
+            # the loop here, the pieces went out back to back and clients waited ~0.3 s (300,000 jobs)
+            await asyncio.sleep(0)
             if session.closed or not self.active or self.epoch != epoch:
                 session.close()
                 return False

@@ -408,6 +408,9 @@ def parse_args(argv=None):
     p.add_argument("--instructions", action="store_true",
                    help="instead of the table: instructions per command under callgrind (see bench/instructions.py)")
     p.add_argument("--instr-ops", type=int, default=20000, help="with --instructions: commands measured per row")
+    p.add_argument("--cache-sim", action="store_true",
+                   help="with --instructions: also simulate the caches (callgrind --cache-sim) and print data-cache "
+                        "misses per command; the last level simulated is this machine's per-core L2")
     p.add_argument("--annotate", type=int, default=0, metavar="N",
                    help="with --instructions: also print the N most expensive C functions (callgrind_annotate)")
     p.add_argument("--breakdown", action="store_true",

@@ -18,6 +18,12 @@ but most VMs do not expose the counter (``perf stat`` says ``<not supported>``).
     python bench/broker_bench.py --instructions --pure --servers ours,floor,beanstalkd
     python bench/broker_bench.py --instructions --annotate 15         # also the top C functions
 
+``--cache-sim`` adds callgrind's cache simulation: data references and first-level and
+last-level data-cache misses per command. The last level simulated is the per-core L2 (on
+the 2-core VMs, 512 KiB-1 MiB), not valgrind's default of the shared L3: what one server
+process's working set at 500 connections spills is the question. A model, not the
+hardware (no prefetcher), and the kernel is not in it; but it does not move with load.
+
 Writes bench/out/instructions.json.
 """
 from __future__ import annotations
@@ -37,7 +43,35 @@ import broker_bench as bb
 import servers
 
 WARMUP_OPS = 3000
-TOTALS = re.compile(rb"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
+TOTALS = re.compile(rb"^(?:totals|summary):\s*([\d ]+)$", re.MULTILINE)
+EVENTS = re.compile(rb"^events:\s*(.+)$", re.MULTILINE)
+L2_SIZE = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
+L2_WAYS = Path("/sys/devices/system/cpu/cpu0/cache/index2/ways_of_associativity")
+
+
+def l2_geometry() -> tuple[int, int]:
+    """(bytes, ways) of this machine's per-core L2 cache; 512 KiB, 8 ways when sysfs does not say."""
+    try:
+        text = L2_SIZE.read_text().strip()
+        size = int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+        ways = int(L2_WAYS.read_text().strip())
+    except (OSError, ValueError):
+        return 512 * 1024, 8
+    # valgrind wants a power-of-two number of sets (size / (ways * 64))
+    sets = size // (ways * 64)
+    while sets & (sets - 1):
+        sets &= sets - 1
+    return sets * ways * 64, ways
+
+
+def event_totals(text: bytes) -> dict[str, int]:
+    """The callgrind file's largest totals line, by event name (Ir, and with --cache-sim Dr, D1mr...)."""
+    names = EVENTS.search(text)
+    rows = [[int(n) for n in m.split()] for m in TOTALS.findall(text)]
+    if names is None or not rows:
+        raise RuntimeError("no events or totals in the callgrind output")
+    best = max(rows, key=lambda r: r[0])
+    return dict(zip(names.group(1).decode().split(), best, strict=False))  # trailing zeros may be left out
 
 
 def _control(pid: int, flag: str) -> None:
@@ -103,8 +137,12 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
     out_file = out_dir / f"{kind}_{workload}_c{conns}_d{depth}.out"
     proc = servers.server_process(kind, opts.ours_args, stderr_path=str(out_dir / f"{kind}.valgrind.log"),
                                   floor=opts.floor)
+    cache = []
+    if getattr(opts, "cache_sim", False):
+        size, ways = l2_geometry()
+        cache = ["--cache-sim=yes", f"--LL={size},{ways},64"]
     proc.argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
-                 *proc.argv]
+                 *cache, *proc.argv]
     srv = proc.start(timeout=180)  # Python starts ~50x slower under valgrind
     try:
         if workload == "drain":
@@ -116,15 +154,18 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
                                          lambda: _control(srv.pid, "--instr=off"))
     finally:
         srv.stop(timeout=60)
-    text = out_file.read_bytes()
-    totals = [int(m) for m in TOTALS.findall(text)]
-    if not totals:
-        raise RuntimeError(f"no totals in {out_file}")
+    events = event_totals(out_file.read_bytes())
     commands = data["ops"]
     result = {"server": kind, "workload": workload, "conns": conns, "depth": depth, "commands": commands,
-              "instructions": max(totals), "per_command": max(totals) / commands if commands else None,
+              "instructions": events["Ir"], "per_command": events["Ir"] / commands if commands else None,
               "errors": data.get("errors", 0), "seconds_under_valgrind": round(seconds, 1),
               "callgrind_file": str(out_file)}
+    if "D1mr" in events and commands:
+        result["cache_per_command"] = {
+            "data_refs": (events["Dr"] + events["Dw"]) / commands,
+            "d1_misses": (events["D1mr"] + events["D1mw"]) / commands,
+            "ll_misses": (events["DLmr"] + events["DLmw"]) / commands,
+        }
     if annotate:
         result["top_functions"] = top_functions(out_file, annotate)
     return result
@@ -157,7 +198,7 @@ def main(opts) -> int:
         workloads = ["put", "cycle"]
     conns = opts.conns if _given("--conns") else [50]
     depths = opts.depths if _given("--depths") else [1]
-    meta = {"machine": servers.machine(),
+    meta = {"machine": servers.machine(), "cache_sim": list(l2_geometry()) if opts.cache_sim else None,
             "builds": {k: servers.build_of_ours(k == "ours-pure") for k in kinds if k.startswith("ours")},
             "git": bb.git_info(), "ops": opts.instr_ops}
     print(f"# instructions per command (callgrind, user space); {bb.machine_line(meta)}", file=sys.stderr)
@@ -174,13 +215,18 @@ def main(opts) -> int:
                         r = {"server": kind, "workload": workload, "conns": c, "depth": d,
                              "failed": f"{type(exc).__name__}: {exc}"[:400]}
                     results.append(r)
+                    cache = r.get("cache_per_command")
                     print(f"  {workload:5} {c}x{d} {kind:10} "
                           + (f"{r['per_command']:9.0f} instructions/command ({r['commands']} commands, "
-                             f"{r['seconds_under_valgrind']} s)" if "per_command" in r else r["failed"]),
+                             f"{r['seconds_under_valgrind']} s)" if "per_command" in r else r["failed"])
+                          + (f"; data refs {cache['data_refs']:.0f}, D1 misses {cache['d1_misses']:.1f}, "
+                             f"L2 misses {cache['ll_misses']:.2f} a command" if cache else ""),
                           file=sys.stderr)
                     for line in r.get("top_functions", []):
                         print(f"      {line.strip()}", file=sys.stderr)
     print(table(results, kinds))
+    if opts.cache_sim:
+        print(cache_table(results, kinds))
     print(f"\n{bb.machine_line(meta)}; git {meta['git']['commit']}")
     out = bb.OUT / "instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +248,21 @@ def table(results: list[dict], kinds: list[str]) -> str:
         for k in kinds:
             if ref and k.startswith("ours"):
                 cells.append(f"{per[k] / per[ref]:.2f}" if per.get(k) and per.get(ref) else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cache_table(results: list[dict], kinds: list[str]) -> str:
+    """With --cache-sim: first-level and L2 data-cache misses per command, by row and server."""
+    rows: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        if "cache_per_command" in r:
+            rows.setdefault((r["workload"], r["conns"], r["depth"]), {})[r["server"]] = r["cache_per_command"]
+    hdr = ["workload", "conns x depth"] + [f"{k} D1 / L2 misses per cmd" for k in kinds]
+    lines = ["", "| " + " | ".join(hdr) + " |", "|---|---|" + "---:|" * len(kinds)]
+    for (w, c, d), per in rows.items():
+        cells = [w, f"{c}x{d}"] + [f"{per[k]['d1_misses']:.1f} / {per[k]['ll_misses']:.2f}" if k in per else "-"
+                                   for k in kinds]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -50,10 +50,12 @@ class LaneConnection(BrokerConnection):
         super().__init__(state)
         # This client's last put line and reserve packet the lane served, with what the server's caches
         # (ServerState.lane_puts, lane_reserves) hold for them: a client sends the same ones again and again,
-        # and a bytes compare costs less than hashing a new packet for a dict look-up. b"": none yet (a put
-        # line starts with "p", a reserve packet with "r").
+        # and a bytes compare costs less than hashing a new packet for a dict look-up. The line and packet
+        # are the caches' own objects, which every connection shares: with 500 connections a copy of each
+        # connection's own was out of the CPU cache by its next command (bench/instructions.py --cache-sim).
+        # b"": none yet (a put line starts with "p", a reserve packet with "r").
         self.put_line = b""
-        self.put_prepared = (0, 0, 0)
+        self.put_prepared = (b"", 0, 0, 0)
         self.reserve_packet = b""
         self.reserve_timed = False
         # True only while the lane may serve the next packet: not closing, nothing buffered or half-read, no
@@ -105,7 +107,7 @@ class LaneConnection(BrokerConnection):
         first = data[0]
         if first == 112:  # "p": put (Decoder.parse_packet + Queue.put + _enqueue + JobTable.put)
             line, _, rest = data.partition(b"\r\n")  # a cached line holds no CR: this is its first one
-            prepared: tuple[int, int, int] | None
+            prepared: tuple[bytes, int, int, int] | None
             if line == self.put_line:
                 prepared = self.put_prepared
             else:
@@ -114,9 +116,9 @@ class LaneConnection(BrokerConnection):
                     self._general(data)
                     self._prepare_put(line)
                     return
-                self.put_line = line
+                self.put_line = prepared[0]
                 self.put_prepared = prepared
-            pri, ttr, size = prepared
+            _, pri, ttr, size = prepared
             # The body and the CRLF ending the packet: nothing after the last CRLF, and size + 2 bytes in all
             # (which a rest without any CRLF, whose "body" is empty, cannot have).
             body, _, tail = rest.rpartition(b"\r\n")
@@ -184,16 +186,16 @@ class LaneConnection(BrokerConnection):
                 self._check_output()  # type: ignore[unreachable]  # mypy cannot see write() call pause_writing
             return
         elif first == 114:  # "r": reserve (Queue.reserve + _fast_reserve + Tube.ready_top + _reserve)
-            timed: bool | None
+            timed: bool
             if data == self.reserve_packet:
                 timed = self.reserve_timed
             else:
-                timed = self.state.lane_reserves.get(data)
-                if timed is None:
+                kept = self.state.lane_reserves.get(data)
+                if kept is None:
                     self._general(data)
                     self._prepare_reserve(data)
                     return
-                self.reserve_packet = data
+                self.reserve_packet, timed = kept
                 self.reserve_timed = timed
             if not client.worker:
                 self._general(data)
@@ -220,7 +222,7 @@ class LaneConnection(BrokerConnection):
             jobs = queue.jobs
             job = None  # the least (pri, id) among the watched tubes' tops, as _fast_reserve
             in_run = False
-            for tube in client.watch.items:
+            for tube in client.watching:
                 if not tube.ready_count:
                     continue
                 if tube.pause:
@@ -372,7 +374,7 @@ class LaneConnection(BrokerConnection):
         packets = self.state.lane_reserves
         if len(packets) >= p.LINE_CACHE_SIZE:
             packets.clear()
-        packets[data] = cmd[0] == "reserve-with-timeout"
+        packets[data] = (data, cmd[0] == "reserve-with-timeout")
 
     def _prepare_put(self, line: bytes) -> None:
         """After the general path served a put line: keep what the lane needs of it, if it may serve it.
@@ -389,5 +391,5 @@ class LaneConnection(BrokerConnection):
         lines = self.state.lane_puts
         if len(lines) >= p.LINE_CACHE_SIZE:
             lines.clear()
-        lines[line] = (shared_int(pool, pri) if pri > 256 else pri, (shared_int(pool, ttr) if ttr > 256 else ttr) or 1,
-                       size)
+        lines[line] = (line, shared_int(pool, pri) if pri > 256 else pri,
+                       (shared_int(pool, ttr) if ttr > 256 else ttr) or 1, size)

@@ -361,7 +361,7 @@ class Queue:
         client.waiting = True
         self.waiting_ct += 1
         waited = self.waited_tubes
-        for tube in client.watch.items:
+        for tube in client.watching:
             tube.waiting.append(client)
             waited[tube] = None
 
@@ -370,7 +370,7 @@ class Queue:
             return
         client.waiting = False
         self.waiting_ct -= 1
-        for tube in client.watch.items:
+        for tube in client.watching:
             tube.waiting.remove(client)
             if not tube.waiting.items:
                 self.waited_tubes.pop(tube, None)
@@ -556,7 +556,7 @@ class Queue:
         return False
 
     def _client_ready(self, client: Client) -> bool:
-        for tube in client.watch.items:  # noqa: SIM110 - a loop, not a generator, on the reserve path
+        for tube in client.watching:  # noqa: SIM110 - a loop, not a generator, on the reserve path
             if tube.ready_count:
                 return True
         return False
@@ -569,7 +569,7 @@ class Queue:
         one served; only the rotation counter of that tube's wait list moves.
         """
         best: Job | None = None  # the job to serve: the least (pri, id)
-        for tube in client.watch.items:
+        for tube in client.watching:
             if tube.ready_count and not tube.waiting.items:
                 if tube.pause:
                     if tube.unpause_at > now:

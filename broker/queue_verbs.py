@@ -21,6 +21,7 @@ def connect(queue: Queue, deliver: Callable[[bytes], None], peer: str = "") -> C
     client.use = tube
     tube.using += 1
     client.watch.append(tube)
+    client.watch_changed()
     tube.watching += 1
     queue.cur_conns += 1
     queue.tot_conns += 1
@@ -43,10 +44,11 @@ def disconnect(queue: Queue, client: Client) -> None:
         for job in list(client.reserved.values()):
             queue._unreserve(client, job)
             queue._enqueue(job, 0, now)
-    for tube in list(client.watch.items):
+    for tube in client.watching:
         tube.watching -= 1
         queue.drop_if_unused(tube)
     client.watch.items.clear()
+    client.watch_changed()
     client.use.using -= 1
     queue.drop_if_unused(client.use)
     client.deadlines.clear()
@@ -181,6 +183,7 @@ def watch(queue: Queue, client: Client, name: str) -> bytes:
         return p.OUT_OF_MEMORY
     if tube not in client.watch:
         client.watch.append(tube)
+        client.watch_changed()
         tube.watching += 1
     return b"WATCHING %d\r\n" % len(client.watch)
 
@@ -192,6 +195,7 @@ def ignore(queue: Queue, client: Client, name: str) -> bytes:
             if len(watch) < 2:
                 return p.NOT_IGNORED
             watch.remove(tube)
+            client.watch_changed()
             tube.watching -= 1
             queue.drop_if_unused(tube)
             break

@@ -125,9 +125,11 @@ class ServerState:
         self.connections: set[BrokerConnection] = set()
         self.internal_conns = 0  # of those, the broker's own (the dashboard's in-process connection)
         self.line_cache: p.LineCache = {}
-        # broker.lane: put lines it may serve -> (priority, TTR as the job holds them, body size)
-        self.lane_puts: dict[bytes, tuple[int, int, int]] = {}
-        self.lane_reserves: dict[bytes, bool] = {}  # reserve packets it may serve -> reserve-with-timeout?
+        # broker.lane: put lines it may serve -> (the line as kept, priority, TTR as the job holds them, body size);
+        # reserve packets it may serve -> (the packet as kept, reserve-with-timeout?). A connection compares each
+        # packet with the kept one, shared by every connection, not a copy of its own that went cold meanwhile.
+        self.lane_puts: dict[bytes, tuple[bytes, int, int, int]] = {}
+        self.lane_reserves: dict[bytes, tuple[bytes, bool]] = {}
         self.descriptor_cap = descriptor_cap  # connections beyond this are refused (EMFILE ahead)
         self.sync_point = sync_point  # None: nothing to do before replies leave
         self.group_commit = group_commit

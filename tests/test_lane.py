@@ -277,8 +277,15 @@ else:
             assert calls_during(conn, b"reserve-with-timeout 0\r\n") == []
             assert transport.take().startswith(b"RESERVED")
             # The client's last put line and reserve packet are kept on its connection (no hashing next time)
-            assert conn.put_line == b"put 1024 0 60 5" and conn.put_prepared == (1024, 60, 5)
+            assert conn.put_line == b"put 1024 0 60 5" and conn.put_prepared[1:] == (1024, 60, 5)
             assert conn.reserve_packet == b"reserve-with-timeout 0\r\n" and conn.reserve_timed
+            # ... as the server's own objects, which every connection shares: a copy of each connection's own
+            # was out of the CPU cache by its next command when hundreds of connections took turns
+            other, other_transport = connect(server, LaneConnection)
+            for packet in (b"put 1024 0 60 5\r\nhello\r\n", b"reserve-with-timeout 0\r\n") * 2:  # general, then lane
+                other.data_received(bytes(bytearray(packet)))  # a fresh object, as each read makes one
+                assert other_transport.take().startswith((b"INSERTED", b"RESERVED"))
+            assert other.put_line is conn.put_line and other.reserve_packet is conn.reserve_packet
             general, _ = connect(server, BrokerConnection)
             assert len(calls_during(general, b"put 1024 0 60 5\r\nhello\r\n")) >= 5
 

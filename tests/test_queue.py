@@ -343,6 +343,32 @@ def test_ignore_last_tube_refused(queue):
     assert queue_verbs.ignore(queue, c.client, "default") == p.NOT_IGNORED
 
 
+def test_the_watch_tuple_follows_every_change_of_the_watch_set(queue):
+    """Client.watching (what reserves read) is the watch set in its order after any watch and ignore; a
+    reserve finds a job in a tube watched last, and none in a tube just ignored."""
+    rng = random.Random(7)
+    c, producer = Conn(queue), Conn(queue)
+    names = ["default", "a", "b", "c", "d"]
+    for _ in range(300):
+        name = rng.choice(names)
+        if rng.random() < 0.5:
+            queue_verbs.watch(queue, c.client, name)
+        else:
+            queue_verbs.ignore(queue, c.client, name)
+        assert c.client.watching == tuple(c.client.watch.items)
+        assert len(set(c.client.watching)) == len(c.client.watching)
+    queue_verbs.watch(queue, c.client, "fresh")
+    queue_verbs.use(queue, producer.client, "fresh")
+    job_id = producer.put(b"in fresh")
+    assert queue.reserve(c.client, 0) == b"RESERVED %d 8\r\nin fresh\r\n" % job_id
+    queue_verbs.ignore(queue, c.client, "fresh")
+    producer.put(b"again")
+    assert c.reserve(0) in (None, p.TIMED_OUT)  # (its timeout is the timer's to answer)
+    assert queue.tube_by_name["fresh"].ready_count == 1
+    queue_verbs.disconnect(queue, c.client)
+    assert c.client.watching == ()
+
+
 def test_reserve_job_takes_a_specific_job(queue):
     c = Conn(queue)
     c.put(b"a")

@@ -138,7 +138,7 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
     proc = servers.server_process(kind, opts.ours_args, stderr_path=str(out_dir / f"{kind}.valgrind.log"),
                                   floor=opts.floor)
     cache = []
-    if getattr(opts, "cache_sim", False):
+    if opts.cache_sim:
         size, ways = l2_geometry()
         cache = ["--cache-sim=yes", f"--LL={size},{ways},64"]
     proc.argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",

@@ -459,8 +459,8 @@ class Client:
         self.watch: SwapSet[Tube] = SwapSet()
         # The watch set as a tuple, for the reserve path: one object to read where the SwapSet took three
         # (itself, its list, the list's array), and with hundreds of connections each of them was out of the
-        # CPU cache by the client's next reserve (bench/instructions.py --cache-sim). watch_changed() after
-        # every change of ``watch``.
+        # CPU cache by the client's next reserve (bench/instructions.py --cache-sim). ``watch`` keeps the
+        # order (beanstalkd's, for list-tubes-watched); both change only through the three methods below.
         self.watching: tuple[Tube, ...] = ()
         self.reserved: dict[int, Job] = {}
         # A heap of (deadline, job id), lazy: an entry is live while ``reserved`` holds its job with that deadline.
@@ -480,8 +480,24 @@ class Client:
         self.pending_put_id = 0
         self.peer = peer
 
-    def watch_changed(self) -> None:
+    def watch_tube(self, tube: Tube) -> bool:
+        """Add ``tube`` to the watch set; False when it is there already."""
+        if tube in self.watching:
+            return False
+        self.watch.append(tube)
         self.watching = tuple(self.watch.items)
+        return True
+
+    def ignore_tube(self, tube: Tube) -> None:
+        self.watch.remove(tube)
+        self.watching = tuple(self.watch.items)
+
+    def drop_watches(self) -> tuple[Tube, ...]:
+        """Empty the watch set (the connection closed); the tubes it held."""
+        held = self.watching
+        self.watch.items.clear()
+        self.watching = ()
+        return held
 
     def prune_deadlines(self) -> None:
         """Drop stale entries once they outnumber the live ones: a job released, deleted or

@@ -20,8 +20,7 @@ def connect(queue: Queue, deliver: Callable[[bytes], None], peer: str = "") -> C
     tube = queue.default_tube
     client.use = tube
     tube.using += 1
-    client.watch.append(tube)
-    client.watch_changed()
+    client.watch_tube(tube)
     tube.watching += 1
     queue.cur_conns += 1
     queue.tot_conns += 1
@@ -44,11 +43,9 @@ def disconnect(queue: Queue, client: Client) -> None:
         for job in list(client.reserved.values()):
             queue._unreserve(client, job)
             queue._enqueue(job, 0, now)
-    for tube in client.watching:
+    for tube in client.drop_watches():
         tube.watching -= 1
         queue.drop_if_unused(tube)
-    client.watch.items.clear()
-    client.watch_changed()
     client.use.using -= 1
     queue.drop_if_unused(client.use)
     client.deadlines.clear()
@@ -181,25 +178,21 @@ def watch(queue: Queue, client: Client, name: str) -> bytes:
     tube = queue._tube_for_client(client, name)
     if tube is None:
         return p.OUT_OF_MEMORY
-    if tube not in client.watch:
-        client.watch.append(tube)
-        client.watch_changed()
+    if client.watch_tube(tube):
         tube.watching += 1
-    return b"WATCHING %d\r\n" % len(client.watch)
+    return b"WATCHING %d\r\n" % len(client.watching)
 
 
 def ignore(queue: Queue, client: Client, name: str) -> bytes:
-    watch = client.watch
-    for tube in watch.items:
+    for tube in client.watching:
         if tube.name == name:
-            if len(watch) < 2:
+            if len(client.watching) < 2:
                 return p.NOT_IGNORED
-            watch.remove(tube)
-            client.watch_changed()
+            client.ignore_tube(tube)
             tube.watching -= 1
             queue.drop_if_unused(tube)
             break
-    return b"WATCHING %d\r\n" % len(watch)
+    return b"WATCHING %d\r\n" % len(client.watching)
 
 
 def pause_tube(queue: Queue, client: Client, name: str, delay: int) -> bytes:
@@ -225,4 +218,4 @@ def list_tube_used(queue: Queue, client: Client) -> bytes:
 
 
 def list_tubes_watched(queue: Queue, client: Client) -> bytes:
-    return p.yaml_list(t.name for t in client.watch.items)
+    return p.yaml_list(t.name for t in client.watching)

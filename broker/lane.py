@@ -205,15 +205,17 @@ class LaneConnection(BrokerConnection):
             if reserved:
                 # Queue.reserve's checks for a client holding jobs: its reserve cap, and DEADLINE_SOON, which
                 # is answered only when no watched tube has a ready job (then the lane falls back below); its
-                # look at the soonest deadline drops stale entries, so the lane needs a live one on top.
+                # look at the soonest deadline drops stale entries, so the lane needs a live one on top, or an
+                # empty heap (one job held, without an entry: Client.hold).
+                if queue.reserve_cap and len(reserved) >= queue.reserve_cap:
+                    self._general(data)
+                    return
                 deadlines = client.deadlines
-                if not deadlines or (queue.reserve_cap and len(reserved) >= queue.reserve_cap):
-                    self._general(data)
-                    return
-                job = reserved.get(deadlines[0][1])  # Client.soonest_deadline's test of the top entry
-                if job is None or job.deadline != deadlines[0][0]:
-                    self._general(data)
-                    return
+                if deadlines:
+                    job = reserved.get(deadlines[0][1])  # Client.soonest_held's test of the top entry
+                    if job is None or job.deadline != deadlines[0][0]:
+                        self._general(data)
+                        return
             if queue.waiting_ct:  # as _fast_reserve: a waiting client may be owed a ready job first
                 for tube in queue.waited_tubes:
                     if tube.ready_count:
@@ -291,8 +293,10 @@ class LaneConnection(BrokerConnection):
             job.reserver = client
             job.reserves += 1
             job.deadline = deadline = now + job.ttr * NS
-            reserved[job.id] = job
-            heappush(client.deadlines, (deadline, job.id))
+            if reserved:
+                client.hold(job)
+            else:  # Client.hold: the one job held keeps its deadline on itself
+                reserved[job.id] = job
             tube.reserved_count += 1
             client.pending_timeout = -1
             armed = client.ttr_armed
@@ -323,9 +327,7 @@ class LaneConnection(BrokerConnection):
             held.reserver = None
             tube = held.tube
             tube.reserved_count -= 1
-            if not reserved:
-                client.deadlines.clear()  # every entry left is stale
-            else:
+            if reserved:  # Client.drop_hold
                 client.prune_deadlines()
             tube.total_deletes += 1  # and the queue's cmd-delete (Queue.deletes_made, counted_ops)
             held.state = INVALID

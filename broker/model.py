@@ -465,7 +465,10 @@ class Client:
         self.reserved: dict[int, Job] = {}
         # A heap of (deadline, job id), lazy: an entry is live while ``reserved`` holds its job with that deadline.
         # Ids, not jobs: the entry of a job deleted (or released, buried, touched) stays until it reaches the top
-        # or the heap is pruned, and must not keep the job's body until then.
+        # or the heap is pruned, and must not keep the job's body until then. While the client holds one job, that
+        # job may have no live entry (its deadline is on the job): most workers hold one job at a time, and with
+        # hundreds of connections the heap's list, its array and a tuple an entry were out of the CPU cache by the
+        # client's next command (bench/instructions.py --cache-sim). Only hold, drop_hold and retime change it.
         self.deadlines: list[tuple[int, int]] = []
         self.waiting = False
         self.pending_timeout = -1
@@ -499,27 +502,63 @@ class Client:
         self.watching = ()
         return held
 
+    def hold(self, job: Job) -> None:
+        """Note a job just reserved, its deadline set. Two or more held: each has a live entry in the heap."""
+        reserved = self.reserved
+        reserved[job.id] = job
+        if len(reserved) == 1:
+            return
+        heap = self.deadlines
+        if len(reserved) == 2:  # the job held before may have no entry (a duplicate of a live one is harmless)
+            for other in reserved.values():
+                if other is not job:
+                    heappush(heap, (other.deadline, other.id))
+        heappush(heap, (job.deadline, job.id))
+
+    def drop_hold(self, job: Job) -> None:
+        """The client no longer holds ``job``: its entries go stale. With none held the heap is left as it
+        is (stale entries only, bounded by the last prune): emptying it touched the list on every delete."""
+        reserved = self.reserved
+        del reserved[job.id]
+        if reserved:
+            self.prune_deadlines()
+
+    def retime(self, job: Job) -> None:
+        """A held job's deadline moved (touch): its old entry goes stale."""
+        if len(self.reserved) > 1:
+            heappush(self.deadlines, (job.deadline, job.id))
+            self.prune_deadlines()
+
     def prune_deadlines(self) -> None:
         """Drop stale entries once they outnumber the live ones: a job released, deleted or
         touched leaves its old entry behind, and a worker that touches a long-TTR job every
-        second would otherwise grow the heap by an entry a touch until the TTR comes round."""
+        second would otherwise grow the heap by an entry a touch until the TTR comes round.
+        Duplicates of a live entry go too (``hold`` may push one)."""
         heap = self.deadlines
         reserved = self.reserved
         if len(heap) > 2 * len(reserved) + 64:
-            live = [e for e in heap if (job := reserved.get(e[1])) is not None and job.deadline == e[0]]
+            live = list({e for e in heap if (job := reserved.get(e[1])) is not None and job.deadline == e[0]})
             heapq.heapify(live)
             self.deadlines = live
 
-    def soonest_deadline(self) -> int | None:
+    def soonest_held(self) -> Job | None:
+        """The held job due first, None when none is held; drops the stale entries on top of the heap, so
+        that its top, if any, is the answer's live entry."""
         heap = self.deadlines
         reserved = self.reserved
         while heap:
             deadline, job_id = heap[0]
             job = reserved.get(job_id)
             if job is not None and job.deadline == deadline:
-                return deadline
+                return job
             heappop(heap)
+        for job in reserved.values():  # one held, without an entry (see __init__)
+            return job
         return None
+
+    def soonest_deadline(self) -> int | None:
+        job = self.soonest_held()
+        return None if job is None else job.deadline
 
 
 def job_reply(word: bytes, job: Job) -> bytes:

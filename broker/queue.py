@@ -37,7 +37,6 @@ from broker.model import (
     SwapSet,
     Tube,
     heap_entry,
-    heappop,
     heappush,
     job_reply,
     new_job,
@@ -310,8 +309,7 @@ class Queue:
         job.reserver = client
         job.reserves += 1
         job.deadline = deadline = now + job.ttr * NS
-        client.reserved[job.id] = job
-        heappush(client.deadlines, (deadline, job.id))
+        client.hold(job)
         job.tube.reserved_count += 1
         client.pending_timeout = -1
         armed = client.ttr_armed
@@ -321,14 +319,9 @@ class Queue:
             self.listener.job_reserved(job)
 
     def _unreserve(self, client: Client, job: Job) -> None:
-        reserved = client.reserved
-        del reserved[job.id]
+        client.drop_hold(job)
         job.reserver = None
         job.tube.reserved_count -= 1
-        if not reserved:
-            client.deadlines.clear()  # every entry left is stale
-        else:
-            client.prune_deadlines()
 
     def arm_ttr(self, client: Client, deadline: int) -> None:
         """Make ``deadline`` the client's TTR timer unless an earlier one stands (an entry that
@@ -342,14 +335,13 @@ class Queue:
         """The client's TTR timer came due: every job it holds past its deadline goes back to
         ready (oldest deadline first, as beanstalkd's conntimeout), then the next deadline is armed."""
         client.ttr_armed = 0
-        while client.reserved:
-            soonest = client.soonest_deadline()  # drops stale entries
-            if soonest is None:
+        while True:
+            job = client.soonest_held()  # drops stale entries
+            if job is None:
                 return
-            if soonest > now:
-                self.arm_ttr(client, soonest)
+            if job.deadline > now:
+                self.arm_ttr(client, job.deadline)
                 return
-            job = client.reserved[heappop(client.deadlines)[1]]  # live: soonest_deadline dropped the stale ones
             self.timeout_ct += 1
             job.timeouts += 1
             self._unreserve(client, job)

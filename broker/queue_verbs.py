@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from broker import protocol as p
-from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Client, Job, heappush, job_reply
+from broker.model import BURIED, DELAYED, INVALID, NS, READY, RESERVED, Client, Job, job_reply
 from broker.queue import Queue
 from broker.timers import TUBE_UNPAUSE
 
@@ -98,8 +98,7 @@ def touch(queue: Queue, client: Client, job_id: int) -> bytes:
     if job is None:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS
-    heappush(client.deadlines, (deadline, job_id))
-    client.prune_deadlines()
+    client.retime(job)
     queue.arm_ttr(client, deadline)  # an earlier entry stands mostly: it finds this job not due and re-arms
     return p.TOUCHED
 

@@ -198,6 +198,64 @@ def test_a_worker_turning_over_held_jobs_keeps_no_deleted_body(queue):
     assert beyond < 200 * 4096 // 4, f"{beyond} bytes held beyond 200 held 4 KB jobs after 200 were turned over"
 
 
+def test_the_soonest_held_job_follows_every_reserve_touch_release_and_expiry(queue, clock):
+    """A client holding one job keeps no entry for it in its deadline heap (Client.hold: the deadline is on
+    the job), and one holding more has an entry for each. Random reserves, touches, releases, buries,
+    deletes and TTR expiries with 0-4 jobs held; after each step the soonest held job is the one with the
+    least (deadline, id), a TTR never expires a job early or late, and the heap stays bounded."""
+    rnd = random.Random(7)
+    c = Conn(queue)
+    client = c.client
+    alone = 0  # reserves by a client holding none: each must leave the heap as it was
+    for step in range(3000):
+        held = client.reserved
+        roll = rnd.random()
+        if roll < 0.35 and len(held) < 4:
+            c.put(ttr=rnd.choice((1, 2, 3, 60)))
+            before = list(client.deadlines) if not held else None
+            jid = job_id(c.reserve(0))
+            if before is not None:
+                alone += 1
+                assert client.deadlines == before, f"step {step}: a first held job pushed a heap entry"
+        elif roll < 0.55 and held:
+            assert queue_verbs.touch(queue, client, rnd.choice(list(held))) == p.TOUCHED
+        elif roll < 0.65 and held:
+            assert queue_verbs.release(queue, client, rnd.choice(list(held)), 0, 0) == p.RELEASED
+        elif roll < 0.7 and held:
+            assert queue_verbs.bury(queue, client, rnd.choice(list(held)), 0) == p.BURIED
+        elif roll < 0.85 and held:
+            assert queue.delete(client, rnd.choice(list(held))) == p.DELETED
+        else:
+            due = sorted(job.deadline for job in held.values())
+            clock.advance(rnd.choice((0.3, 0.9, 1.7)))
+            gone = {jid for jid, job in held.items() if job.deadline <= clock.now}
+            kept = {jid for jid, job in held.items() if job.deadline > clock.now}
+            queue_timers.tick(queue)
+            assert set(client.reserved) == kept, (step, due, clock.now)
+            assert not gone & set(client.reserved)
+        jobs = client.reserved.values()
+        want = min(jobs, key=lambda job: (job.deadline, job.id), default=None)
+        soonest = client.soonest_held()
+        assert (soonest and soonest.deadline) == (want and want.deadline), step
+        assert len(client.deadlines) <= 2 * max(len(client.reserved), 1) + 64 + 2, step
+    assert alone > 150
+
+
+def test_a_worker_holding_one_job_while_turning_over_another_keeps_its_deadline_heap_small(queue):
+    """Each time a client holding one job reserves a second, the first one's entry is pushed (it may have
+    none: Client.hold), a duplicate when it has one; pruning drops the duplicates too, or a worker holding a
+    long job while it turns over short ones would grow its heap by an entry a job."""
+    c = Conn(queue)
+    c.put(ttr=3600)
+    long_held = job_id(c.reserve(0))
+    for _ in range(2000):
+        short = c.put()
+        assert job_id(c.reserve(0)) == short
+        assert queue.delete(c.client, short) == p.DELETED
+        assert len(c.client.deadlines) <= 2 * 1 + 64 + 2
+    assert c.client.soonest_held() is c.client.reserved[long_held]
+
+
 def test_ttr_zero_becomes_one_second(queue):
     c = Conn(queue)
     reply = queue.put(c.client, 0, 0, 0, b"x")

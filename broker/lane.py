@@ -201,18 +201,18 @@ class LaneConnection(BrokerConnection):
                 self._general(data)
                 return
             now = queue.clock()
-            reserved = client.reserved
-            if reserved:
+            holds = client.held
+            if holds:
                 # Queue.reserve's checks for a client holding jobs: its reserve cap, and DEADLINE_SOON, which
                 # is answered only when no watched tube has a ready job (then the lane falls back below); its
                 # look at the soonest deadline drops stale entries, so the lane needs a live one on top, or an
                 # empty heap (one job held, without an entry: Client.hold).
-                if queue.reserve_cap and len(reserved) >= queue.reserve_cap:
+                if queue.reserve_cap and holds >= queue.reserve_cap:
                     self._general(data)
                     return
                 deadlines = client.deadlines
                 if deadlines:
-                    job = reserved.get(deadlines[0][1])  # Client.soonest_held's test of the top entry
+                    job = client.holding(deadlines[0][1])  # Client.soonest_held's test of the top entry
                     if job is None or job.deadline != deadlines[0][0]:
                         self._general(data)
                         return
@@ -293,10 +293,11 @@ class LaneConnection(BrokerConnection):
             job.reserver = client
             job.reserves += 1
             job.deadline = deadline = now + job.ttr * NS
-            if reserved:
+            if holds:
                 client.hold(job)
-            else:  # Client.hold: the one job held keeps its deadline on itself
-                reserved[job.id] = job
+            else:  # Client.hold, holding none: the job is its first, and keeps its deadline on itself
+                client.first = job
+                client.held = 1
             tube.reserved_count += 1
             client.pending_timeout = -1
             armed = client.ttr_armed
@@ -318,17 +319,23 @@ class LaneConnection(BrokerConnection):
                 self._general(data)
                 return
             job_id = int(line)
-            reserved = client.reserved
-            held = reserved.get(job_id)
-            if held is None:
-                self._general(data)
-                return
-            del reserved[job_id]
+            held = client.first  # Client.holding and drop_hold
+            if held is not None and held.id == job_id:
+                client.first = None
+            else:
+                more = client.more
+                held = more.get(job_id) if client.held else None
+                if held is None:
+                    self._general(data)
+                    return
+                del more[job_id]
+            holds = client.held - 1
+            client.held = holds
+            if holds:
+                client.prune_deadlines()
             held.reserver = None
             tube = held.tube
             tube.reserved_count -= 1
-            if reserved:  # Client.drop_hold
-                client.prune_deadlines()
             tube.total_deletes += 1  # and the queue's cmd-delete (Queue.deletes_made, counted_ops)
             held.state = INVALID
             jobs = queue.jobs  # JobTable.pop, when its page stays (not sparse, or the newest) and has no lazy jobs

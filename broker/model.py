@@ -440,11 +440,13 @@ class Client:
         "closed",
         "deadlines",
         "deliver",
+        "first",
+        "held",
+        "more",
         "peer",
         "pending_put_id",
         "pending_timeout",
         "producer",
-        "reserved",
         "tick_at",
         "ttr_armed",
         "use",
@@ -462,8 +464,14 @@ class Client:
         # CPU cache by the client's next reserve (bench/instructions.py --cache-sim). ``watch`` keeps the
         # order (beanstalkd's, for list-tubes-watched); both change only through the three methods below.
         self.watching: tuple[Tube, ...] = ()
-        self.reserved: dict[int, Job] = {}
-        # A heap of (deadline, job id), lazy: an entry is live while ``reserved`` holds its job with that deadline.
+        # The jobs this client holds (reserved): ``held`` of them, ``first`` one of them or None, ``more`` the
+        # others by id. Most workers hold one job at a time: it is ``first``, and a reserve and delete touch no
+        # dict (with hundreds of connections a dict and its table were two more objects out of the CPU cache by
+        # the client's next command). Only hold and drop_hold change them; holding() and held_jobs() read them.
+        self.first: Job | None = None
+        self.more: dict[int, Job] = {}
+        self.held = 0
+        # A heap of (deadline, job id), lazy: an entry is live while the client holds its job with that deadline.
         # Ids, not jobs: the entry of a job deleted (or released, buried, touched) stays until it reaches the top
         # or the heap is pruned, and must not keep the job's body until then. While the client holds one job, that
         # job may have no live entry (its deadline is on the job): most workers hold one job at a time, and with
@@ -502,15 +510,35 @@ class Client:
         self.watching = ()
         return held
 
+    def holding(self, job_id: int) -> Job | None:
+        """The job with this id if this client holds it."""
+        first = self.first
+        if first is not None:
+            if first.id == job_id:
+                return first
+            if self.held == 1:
+                return None
+        elif not self.held:
+            return None
+        return self.more.get(job_id)
+
+    def held_jobs(self) -> list[Job]:
+        first = self.first
+        more = list(self.more.values()) if self.held > (first is not None) else []
+        return more if first is None else [first, *more]
+
     def hold(self, job: Job) -> None:
         """Note a job just reserved, its deadline set. Two or more held: each has a live entry in the heap."""
-        reserved = self.reserved
-        reserved[job.id] = job
-        if len(reserved) == 1:
+        held = self.held = self.held + 1
+        if self.first is None:
+            self.first = job
+        else:
+            self.more[job.id] = job
+        if held == 1:
             return
         heap = self.deadlines
-        if len(reserved) == 2:  # the job held before may have no entry (a duplicate of a live one is harmless)
-            for other in reserved.values():
+        if held == 2:  # the job held before may have no entry (a duplicate of a live one is harmless)
+            for other in self.held_jobs():
                 if other is not job:
                     heappush(heap, (other.deadline, other.id))
         heappush(heap, (job.deadline, job.id))
@@ -518,14 +546,17 @@ class Client:
     def drop_hold(self, job: Job) -> None:
         """The client no longer holds ``job``: its entries go stale. With none held the heap is left as it
         is (stale entries only, bounded by the last prune): emptying it touched the list on every delete."""
-        reserved = self.reserved
-        del reserved[job.id]
-        if reserved:
+        if self.first is job:
+            self.first = None
+        else:
+            del self.more[job.id]
+        self.held -= 1
+        if self.held:
             self.prune_deadlines()
 
     def retime(self, job: Job) -> None:
         """A held job's deadline moved (touch): its old entry goes stale."""
-        if len(self.reserved) > 1:
+        if self.held > 1:
             heappush(self.deadlines, (job.deadline, job.id))
             self.prune_deadlines()
 
@@ -535,9 +566,8 @@ class Client:
         second would otherwise grow the heap by an entry a touch until the TTR comes round.
         Duplicates of a live entry go too (``hold`` may push one)."""
         heap = self.deadlines
-        reserved = self.reserved
-        if len(heap) > 2 * len(reserved) + 64:
-            live = list({e for e in heap if (job := reserved.get(e[1])) is not None and job.deadline == e[0]})
+        if len(heap) > 2 * self.held + 64:
+            live = list({e for e in heap if (job := self.holding(e[1])) is not None and job.deadline == e[0]})
             heapq.heapify(live)
             self.deadlines = live
 
@@ -545,15 +575,14 @@ class Client:
         """The held job due first, None when none is held; drops the stale entries on top of the heap, so
         that its top, if any, is the answer's live entry."""
         heap = self.deadlines
-        reserved = self.reserved
         while heap:
             deadline, job_id = heap[0]
-            job = reserved.get(job_id)
+            job = self.holding(job_id)
             if job is not None and job.deadline == deadline:
                 return job
             heappop(heap)
-        for job in reserved.values():  # one held, without an entry (see __init__)
-            return job
+        if self.held == 1:  # one held, without an entry (see __init__)
+            return self.held_jobs()[0]
         return None
 
     def soonest_deadline(self) -> int | None:

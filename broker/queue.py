@@ -394,12 +394,12 @@ class Queue:
             client.deliver(job_reply(b"RESERVED", best))
 
     def _deadline_soon(self, client: Client, now: int) -> bool:
-        soonest = client.soonest_deadline() if client.reserved else None
+        soonest = client.soonest_deadline() if client.held else None
         return soonest is not None and now >= soonest - SAFETY_MARGIN
 
     def _schedule_tick(self, client: Client, now: int) -> None:
         when = None
-        if client.reserved:
+        if client.held:
             soonest = client.soonest_deadline()
             if soonest is not None:
                 when = soonest - SAFETY_MARGIN
@@ -521,7 +521,7 @@ class Queue:
         if not client.worker:
             self._set_worker(client)
         now = self.clock()
-        if client.reserved:
+        if client.held:
             if self._reserve_refused(client):
                 return p.OUT_OF_MEMORY
             if self._deadline_soon(client, now) and not self._client_ready(client):
@@ -542,8 +542,8 @@ class Queue:
 
     def _reserve_refused(self, client: Client) -> bool:
         cap = self.reserve_cap
-        if cap and len(client.reserved) >= cap:
-            self.refusals.refuse("reserves", client.peer, f"holds {len(client.reserved)} jobs")
+        if cap and client.held >= cap:
+            self.refusals.refuse("reserves", client.peer, f"holds {client.held} jobs")
             return True
         return False
 

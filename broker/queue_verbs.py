@@ -38,9 +38,9 @@ def disconnect(queue: Queue, client: Client) -> None:
         queue.workers -= 1
     queue.cur_conns -= 1
     queue._stop_waiting(client)
-    if client.reserved:
+    if client.held:
         now = queue.clock()
-        for job in list(client.reserved.values()):
+        for job in client.held_jobs():
             queue._unreserve(client, job)
             queue._enqueue(job, 0, now)
     for tube in client.drop_watches():
@@ -70,7 +70,7 @@ def reserve_job(queue: Queue, client: Client, job_id: int) -> bytes:
 
 
 def release(queue: Queue, client: Client, job_id: int, pri: int, delay: int) -> bytes:
-    job = client.reserved.get(job_id)
+    job = client.holding(job_id)
     if job is None:
         return p.NOT_FOUND
     queue._unreserve(client, job)
@@ -83,7 +83,7 @@ def release(queue: Queue, client: Client, job_id: int, pri: int, delay: int) -> 
 
 
 def bury(queue: Queue, client: Client, job_id: int, pri: int) -> bytes:
-    job = client.reserved.get(job_id)
+    job = client.holding(job_id)
     if job is None:
         return p.NOT_FOUND
     queue._unreserve(client, job)
@@ -94,7 +94,7 @@ def bury(queue: Queue, client: Client, job_id: int, pri: int) -> bytes:
 
 
 def touch(queue: Queue, client: Client, job_id: int) -> bytes:
-    job = client.reserved.get(job_id)
+    job = client.holding(job_id)
     if job is None:
         return p.NOT_FOUND
     job.deadline = deadline = queue.clock() + job.ttr * NS

@@ -72,7 +72,7 @@ else:
 
         def delete_oldest_held(self, client: int) -> None:
             """The worker ``client`` deletes the oldest job it holds (the same id on both sides)."""
-            self.send(client, b"delete %d\r\n" % min(self.sides[0][1][client][0].client.reserved))
+            self.send(client, b"delete %d\r\n" % min(job.id for job in self.sides[0][1][client][0].client.held_jobs()))
 
         def state(self, index: int) -> dict[str, Any]:
             server, conns = self.sides[index]
@@ -93,7 +93,7 @@ else:
                 "next_id", "held_bytes", "cmd_reserve", "cmd_reserve_timeout", "waiting_ct", "producers", "workers")}
             counters.update(total_jobs=queue.jobs_created(), cmd_put=queue.counted_ops()["put"],
                             cmd_delete=queue.counted_ops()["delete"])
-            clients = [(sorted(conn.client.reserved), conn.client.waiting, conn.client.ttr_armed,
+            clients = [(sorted(job.id for job in conn.client.held_jobs()), conn.client.waiting, conn.client.ttr_armed,
                         sorted(conn.client.deadlines)) for conn, _ in conns]
             return {"jobs": jobs, "tubes": tubes, "counters": counters, "ops": dict(queue.op_counts),
                     "len": len(queue.jobs), "table": queue.jobs.footprint(), "clients": clients}
@@ -183,7 +183,7 @@ else:
                     queue_timers.tick(server.queue)
                 continue
             if packet == b"DELETE-HELD":
-                held = sorted(pair.sides[0][1][client][0].client.reserved)
+                held = sorted(job.id for job in pair.sides[0][1][client][0].client.held_jobs())
                 packet = b"delete %d\r\n" % (held[0] if held else 1)
             if lane_served is not None:
                 lane_conn = pair.sides[1][1][client][0]
@@ -393,7 +393,7 @@ else:
                 pair.send(0, b"put 5 0 60 1\r\nx\r\n")
             for _ in range(120):
                 pair.send(1, b"reserve\r\n")
-            for job_id in sorted(pair.sides[0][1][1][0].client.reserved):
+            for job_id in sorted(job.id for job in pair.sides[0][1][1][0].client.held_jobs()):
                 pair.send(1, b"delete %d\r\n" % job_id)
                 pair.check_state()
 

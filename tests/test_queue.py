@@ -132,7 +132,7 @@ def test_ttr_timer_is_one_entry_a_connection_and_expires_each_job_on_time(queue,
         states[at] = (state(short_id), state(mid_id), state(long_id))
     assert states == {2.1: (b"reserved", b"reserved", b"reserved"), 3.6: (b"ready", b"reserved", b"reserved"),
                       5.1: (b"ready", b"ready", b"reserved"), 10.1: (b"ready", b"ready", b"ready")}
-    assert queue.timeout_ct == 3 and not c.client.reserved
+    assert queue.timeout_ct == 3 and not c.client.held and not c.client.held_jobs()
 
 
 def test_stale_timer_entries_are_bounded_and_prune_drops_them_all(queue):
@@ -208,12 +208,13 @@ def test_the_soonest_held_job_follows_every_reserve_touch_release_and_expiry(que
     client = c.client
     alone = 0  # reserves by a client holding none: each must leave the heap as it was
     for step in range(3000):
-        held = client.reserved
+        held = {job.id: job for job in client.held_jobs()}
+        assert len(held) == client.held
         roll = rnd.random()
         if roll < 0.35 and len(held) < 4:
             c.put(ttr=rnd.choice((1, 2, 3, 60)))
             before = list(client.deadlines) if not held else None
-            jid = job_id(c.reserve(0))
+            job_id(c.reserve(0))
             if before is not None:
                 alone += 1
                 assert client.deadlines == before, f"step {step}: a first held job pushed a heap entry"
@@ -228,16 +229,15 @@ def test_the_soonest_held_job_follows_every_reserve_touch_release_and_expiry(que
         else:
             due = sorted(job.deadline for job in held.values())
             clock.advance(rnd.choice((0.3, 0.9, 1.7)))
-            gone = {jid for jid, job in held.items() if job.deadline <= clock.now}
             kept = {jid for jid, job in held.items() if job.deadline > clock.now}
             queue_timers.tick(queue)
-            assert set(client.reserved) == kept, (step, due, clock.now)
-            assert not gone & set(client.reserved)
-        jobs = client.reserved.values()
+            assert {job.id for job in client.held_jobs()} == kept, (step, due, clock.now)
+        jobs = client.held_jobs()
+        assert all(client.holding(job.id) is job for job in jobs) and client.holding(10**9) is None
         want = min(jobs, key=lambda job: (job.deadline, job.id), default=None)
         soonest = client.soonest_held()
         assert (soonest and soonest.deadline) == (want and want.deadline), step
-        assert len(client.deadlines) <= 2 * max(len(client.reserved), 1) + 64 + 2, step
+        assert len(client.deadlines) <= 2 * max(client.held, 1) + 64 + 2, step
     assert alone > 150
 
 
@@ -253,7 +253,7 @@ def test_a_worker_holding_one_job_while_turning_over_another_keeps_its_deadline_
         assert job_id(c.reserve(0)) == short
         assert queue.delete(c.client, short) == p.DELETED
         assert len(c.client.deadlines) <= 2 * 1 + 64 + 2
-    assert c.client.soonest_held() is c.client.reserved[long_held]
+    assert c.client.soonest_held() is c.client.holding(long_held)
 
 
 def test_ttr_zero_becomes_one_second(queue):

@@ -47,13 +47,20 @@ bash scripts/lint.sh  # ruff + mypy --strict over the gated paths; an error stop
 XDIST=(-n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)  # the spark group first (tests/conftest.py)
 python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider "$@"
 # The install compiled the broker core (mypyc) if it could: then the protocol suites run a second
-# time on the interpreted core, which is what machines without a C compiler get.
+# time on the interpreted core, which is what machines without a C compiler get: the differential,
+# greenstalk, fuzz and crash suites whole, the queue's, binlog's and replication's in-process suites,
+# the lane's (interpreted only) with the heap check of a broker without a binlog (the lane's case),
+# and the failover snapshot test, whose loop turns an interpreted leader missed once. The binlog's
+# fault and process suites, the busy poll's and the replication process tests run on the compiled
+# core only (pass 1): 80 s of work the interpreted pass added to a CI run of 903 s.
 if [ $# -eq 0 ] && python3 -c 'import sys; from broker import _build; sys.exit(0 if _build.inspect_build().compiled else 1)'; then
   echo "== again with SPARK_BEANSTALK_PURE=1 (interpreted broker core)"
   SPARK_BEANSTALK_PURE=1 exec python3 -m pytest "${XDIST[@]}" -m "not slow" -p no:cacheprovider -k "not beanstalkd" \
     tests/differential tests/test_greenstalk_e2e.py tests/test_fuzz.py tests/test_binlog_crash.py tests/test_queue.py \
-    tests/test_jobtable.py tests/test_binlog_recovery.py tests/test_binlog_differential.py tests/test_server_inprocess.py tests/test_binlog_batch.py tests/test_busypoll.py \
-    tests/test_binlog_process.py tests/test_binlog_format.py tests/test_binlog_faults.py tests/test_replication_unit.py tests/test_replication.py \
-    tests/test_failover.py::test_a_new_member_joining_by_snapshot_neither_stalls_nor_fences_the_leader tests/test_build_select.py tests/test_lane.py tests/test_steady_heap.py tests/test_netio.py::test_a_client_flooding_commands_does_not_hold_the_loop \
+    tests/test_jobtable.py tests/test_binlog_recovery.py tests/test_binlog_differential.py tests/test_server_inprocess.py \
+    tests/test_binlog_batch.py tests/test_binlog_format.py tests/test_replication_unit.py \
+    tests/test_failover.py::test_a_new_member_joining_by_snapshot_neither_stalls_nor_fences_the_leader tests/test_build_select.py \
+    tests/test_lane.py 'tests/test_steady_heap.py::test_rounds_of_the_same_work_leave_the_heap_as_it_was[memory]' \
+    tests/test_netio.py::test_a_client_flooding_commands_does_not_hold_the_loop \
     'tests/test_netio.py::test_a_closed_connection_leaves_no_reference_cycle[uvloop]'
 fi

@@ -470,10 +470,12 @@ class Client:
         # CPU cache by the client's next reserve (bench/instructions.py --cache-sim). ``watch`` keeps the
         # order (beanstalkd's, for list-tubes-watched); both change only through the three methods below.
         self.watching: tuple[Tube, ...] = ()
-        # The jobs this client holds (reserved): ``held`` of them, ``first`` one of them or None, ``more`` the
-        # others by id. Most workers hold one job at a time: it is ``first``, and a reserve and delete touch no
-        # dict (with hundreds of connections a dict and its table were two more objects out of the CPU cache by
-        # the client's next command). Only hold and drop_hold change them; holding() and held_jobs() read them.
+        # The jobs this client holds (reserved): ``held`` of them; ``first``, the job reserved while it held none,
+        # until it goes (else None); ``more`` the others by id, in the order they were reserved. Most workers hold
+        # one job at a time: it is ``first``, and a reserve and delete touch no dict (with hundreds of connections
+        # a dict and its table were two more objects out of the CPU cache by the client's next command). So
+        # held_jobs() lists them in the order they were reserved, as beanstalkd gives a closed connection's jobs
+        # back. Only hold and drop_hold change them; holding() and held_jobs() read them.
         self.held = 0
         self.first: Job | None = None
         # The deadline of this client's one live TTR timer entry (0: none). Like beanstalkd, the
@@ -526,6 +528,7 @@ class Client:
         return self.more.get(job_id)
 
     def held_jobs(self) -> list[Job]:
+        """In the order they were reserved (``first``, if still held, before any of ``more``)."""
         first = self.first
         more = list(self.more.values()) if self.held > (first is not None) else []
         return more if first is None else [first, *more]
@@ -533,12 +536,10 @@ class Client:
     def hold(self, job: Job) -> None:
         """Note a job just reserved, its deadline set. Two or more held: each has a live entry in the heap."""
         held = self.held = self.held + 1
-        if self.first is None:
-            self.first = job
-        else:
-            self.more[job.id] = job
         if held == 1:
+            self.first = job
             return
+        self.more[job.id] = job
         heap = self.deadlines
         if held == 2:  # the job held before may have no entry (a duplicate of a live one is harmless)
             for other in self.held_jobs():

@@ -202,36 +202,42 @@ def test_the_soonest_held_job_follows_every_reserve_touch_release_and_expiry(que
     """A client holding one job keeps no entry for it in its deadline heap (Client.hold: the deadline is on
     the job), and one holding more has an entry for each. Random reserves, touches, releases, buries,
     deletes and TTR expiries with 0-4 jobs held; after each step the soonest held job is the one with the
-    least (deadline, id), a TTR never expires a job early or late, and the heap stays bounded."""
+    least (deadline, id), a TTR never expires a job early or late, the heap stays bounded, and the held jobs
+    are listed in the order they were reserved (the order a closed connection gives them back in)."""
     rnd = random.Random(7)
     c = Conn(queue)
     client = c.client
+    order: list[int] = []  # the held jobs' ids, in the order they were reserved
     alone = 0  # reserves by a client holding none: each must leave the heap as it was
     for step in range(3000):
         held = {job.id: job for job in client.held_jobs()}
-        assert len(held) == client.held
+        assert list(held) == order and client.held == len(order), step
         roll = rnd.random()
         if roll < 0.35 and len(held) < 4:
             c.put(ttr=rnd.choice((1, 2, 3, 60)))
             before = list(client.deadlines) if not held else None
-            job_id(c.reserve(0))
+            order.append(job_id(c.reserve(0)))
             if before is not None:
                 alone += 1
                 assert client.deadlines == before, f"step {step}: a first held job pushed a heap entry"
-        elif roll < 0.55 and held:
-            assert queue_verbs.touch(queue, client, rnd.choice(list(held))) == p.TOUCHED
-        elif roll < 0.65 and held:
-            assert queue_verbs.release(queue, client, rnd.choice(list(held)), 0, 0) == p.RELEASED
         elif roll < 0.7 and held:
-            assert queue_verbs.bury(queue, client, rnd.choice(list(held)), 0) == p.BURIED
-        elif roll < 0.85 and held:
-            assert queue.delete(client, rnd.choice(list(held))) == p.DELETED
+            jid = rnd.choice(order)
+            if roll < 0.55:
+                assert queue_verbs.touch(queue, client, jid) == p.TOUCHED
+            else:
+                if roll < 0.6:
+                    assert queue_verbs.release(queue, client, jid, 0, 0) == p.RELEASED
+                elif roll < 0.63:
+                    assert queue_verbs.bury(queue, client, jid, 0) == p.BURIED
+                else:
+                    assert queue.delete(client, jid) == p.DELETED
+                order.remove(jid)
         else:
             due = sorted(job.deadline for job in held.values())
             clock.advance(rnd.choice((0.3, 0.9, 1.7)))
-            kept = {jid for jid, job in held.items() if job.deadline > clock.now}
+            order = [jid for jid in order if held[jid].deadline > clock.now]
             queue_timers.tick(queue)
-            assert {job.id for job in client.held_jobs()} == kept, (step, due, clock.now)
+            assert [job.id for job in client.held_jobs()] == order, (step, due, clock.now)
         jobs = client.held_jobs()
         assert all(client.holding(job.id) is job for job in jobs) and client.holding(10**9) is None
         want = min(jobs, key=lambda job: (job.deadline, job.id), default=None)

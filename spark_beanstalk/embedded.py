@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,12 @@ T = TypeVar("T")
 
 PORT_POOL_LOW = 20000  # free_port() picks from here up to the kernel's ephemeral range
 _port_picker = random.Random()  # its own generator: a test that seeds `random` must not make workers agree
+# The ports free_port() handed out last in this process, not handed out again while here: two servers started at
+# once (a differential pair, one thread each) both pick before either binds, and a port picked twice went to both.
+# The one that lost the bind was restarted on a new port, but meanwhile its readiness probes connected to the
+# winner and showed up in the winner's total-connections (a differential case failed in CI that way).
+_recent_ports: deque[int] = deque(maxlen=256)
+_port_lock = threading.Lock()
 
 
 def ephemeral_ports() -> range:
@@ -52,18 +60,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     connection before the server binds it, and a client polling it for a listener can
     connect to itself (TCP simultaneous open) and take that for the server. Below the
     range only another explicit bind can take it, which ServerProcess.start survives by
-    moving. Where the range leaves no room below it, the OS picks (bind to port 0).
+    moving. Where the range leaves no room below it, the OS picks (bind to port 0). No port
+    is handed out twice within 256 calls of one process (``_recent_ports``).
     """
     top = ephemeral_ports().start - 1
-    if top - PORT_POOL_LOW >= 1000:
-        for _ in range(200):
-            port = _port_picker.randint(PORT_POOL_LOW, top)
-            if _bindable(host, port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        chosen: int = sock.getsockname()[1]
-        return chosen
+    with _port_lock:
+        if top - PORT_POOL_LOW >= 1000:
+            for _ in range(200):
+                port = _port_picker.randint(PORT_POOL_LOW, top)
+                if port not in _recent_ports and _bindable(host, port):
+                    _recent_ports.append(port)
+                    return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            chosen: int = sock.getsockname()[1]
+            _recent_ports.append(chosen)
+            return chosen
 
 
 def wait_until(predicate: Callable[[], T | None], timeout: float, what: str = "condition", interval: float = 0.05, *,

@@ -8,7 +8,7 @@ Findings from real beanstalkd 1.12:
 """
 from __future__ import annotations
 
-from .harness import case, close, closed, halfclose, on_tube, put, replies, send, silent, until
+from .harness import blocked_in_turn, case, close, closed, halfclose, on_tube, put, replies, send, silent, until
 
 R0 = b"reserve-with-timeout 0\r\n"
 
@@ -27,10 +27,7 @@ CASES = [
     case("two_blocked_reservers_served_in_arrival_order",
          on_tube("c1"),
          on_tube("c2"),
-         silent("c1", b"reserve\r\n"),
-         until("c3", b"stats-tube {t}\r\n", contains=b"current-waiting: 1\n"),
-         silent("c2", b"reserve\r\n"),
-         until("c3", b"stats-tube {t}\r\n", contains=b"current-waiting: 2\n"),
+         *blocked_in_turn("c3", "c1", "c2"),
          send("c3", b"use {t}\r\n" + put(b"first"), n=2),
          replies("c1", 1),
          silent("c2"),
@@ -135,10 +132,7 @@ CASES = [
          send("c1", R0),
          on_tube("c2"),
          on_tube("c3"),
-         silent("c2", b"reserve\r\n"),
-         until("c4", b"stats-tube {t}\r\n", contains=b"current-waiting: 1\n"),
-         silent("c3", b"reserve\r\n"),
-         until("c4", b"stats-tube {t}\r\n", contains=b"current-waiting: 2\n"),
+         *blocked_in_turn("c4", "c2", "c3"),
          close("c1"),
          replies("c2", 1),
          replies("c3", 1)),

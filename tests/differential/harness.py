@@ -138,6 +138,16 @@ def until(conn: str, data: bytes, prefix: bytes = b"", timeout: float = UNTIL_TI
     return Step("until", conn, data, prefix=prefix, timeout=timeout, contains=contains)
 
 
+def blocked_in_turn(probe: str, *conns: str) -> tuple[Step, ...]:
+    """Each of ``conns`` sends a reserve that blocks, in this order, ``probe`` polling stats-tube until each
+    one waits: waiters are served in the order they came, so a case must not let them race."""
+    steps: list[Step] = []
+    for waiting, conn in enumerate(conns, 1):
+        steps += [silent(conn, b"reserve\r\n"),
+                  until(probe, b"stats-tube {t}\r\n", contains=b"current-waiting: %d\n" % waiting)]
+    return tuple(steps)
+
+
 def signal(name: str) -> Step:
     return Step("signal", data=name.encode())
 

@@ -411,6 +411,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-sim", action="store_true",
                    help="with --instructions: also simulate the caches (callgrind --cache-sim) and print data-cache "
                         "misses per command; the last level simulated is this machine's per-core L2")
+    p.add_argument("--cache-model", default=None, metavar="D1,WAYS:L2,WAYS",
+                   help="with --cache-sim: simulate these caches instead of this machine's, e.g. 32K,8:512K,8 (the "
+                        "AMD EPYC VM's), so that counts from two machines can be set side by side")
     p.add_argument("--annotate", type=int, default=0, metavar="N",
                    help="with --instructions: also print the N most expensive C functions (callgrind_annotate)")
     p.add_argument("--breakdown", action="store_true",

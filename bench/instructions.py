@@ -23,6 +23,8 @@ last-level data-cache misses per command. The last level simulated is the per-co
 the 2-core VMs, 512 KiB-1 MiB), not valgrind's default of the shared L3: what one server
 process's working set at 500 connections spills is the question. A model, not the
 hardware (no prefetcher), and the kernel is not in it; but it does not move with load.
+The counts depend on the cache sizes, so two machines' counts compare only under one model:
+``--cache-model 32K,8:512K,8`` simulates the AMD EPYC VM's D1 and L2 on any machine.
 
 Writes bench/out/instructions.json.
 """
@@ -62,6 +64,29 @@ def l2_geometry() -> tuple[int, int]:
     while sets & (sets - 1):
         sets &= sets - 1
     return sets * ways * 64, ways
+
+
+def cache_model(spec: str | None) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+    """(D1, L2) geometries as (bytes, ways) from ``--cache-model D1,WAYS:L2,WAYS`` (sizes in bytes or with K / M);
+    without it, no D1 (valgrind reads this machine's) and this machine's L2."""
+    if spec is None:
+        return None, l2_geometry()
+
+    def one(part: str) -> tuple[int, int]:
+        size_text, _, ways_text = part.partition(",")
+        size_text = size_text.strip().upper()
+        scale = {"K": 1024, "M": 1024 * 1024}.get(size_text[-1:], 1)
+        size = int(size_text.rstrip("KM")) * scale
+        ways = int(ways_text)
+        sets = size // (ways * 64) if ways > 0 else 0
+        if sets <= 0 or size % (ways * 64) or sets & (sets - 1):  # valgrind wants a power-of-two number of sets
+            raise ValueError(f"{part!r}: the size must be a power-of-two number of {ways}-way sets of 64-byte lines")
+        return size, ways
+
+    d1_text, sep, l2_text = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--cache-model {spec!r}: expected D1,WAYS:L2,WAYS, e.g. 32K,8:512K,8")
+    return one(d1_text), one(l2_text)
 
 
 def event_totals(text: bytes) -> dict[str, int]:
@@ -139,8 +164,10 @@ def count(kind: str, workload: str, conns: int, depth: int, ops: int, opts, anno
                                   floor=opts.floor)
     cache = []
     if opts.cache_sim:
-        size, ways = l2_geometry()
+        d1, (size, ways) = cache_model(opts.cache_model)
         cache = ["--cache-sim=yes", f"--LL={size},{ways},64"]
+        if d1 is not None:
+            cache.append(f"--D1={d1[0]},{d1[1]},64")
     proc.argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
                  *cache, *proc.argv]
     srv = proc.start(timeout=180)  # Python starts ~50x slower under valgrind
@@ -198,7 +225,13 @@ def main(opts) -> int:
         workloads = ["put", "cycle"]
     conns = opts.conns if _given("--conns") else [50]
     depths = opts.depths if _given("--depths") else [1]
-    meta = {"machine": servers.machine(), "cache_sim": list(l2_geometry()) if opts.cache_sim else None,
+    try:
+        d1_model, l2_model = cache_model(opts.cache_model)
+    except ValueError as exc:
+        print(f"--cache-model: {exc}", file=sys.stderr)
+        return 2
+    meta = {"machine": servers.machine(), "cache_sim": list(l2_model) if opts.cache_sim else None,
+            "cache_d1": list(d1_model) if opts.cache_sim and d1_model else None,
             "builds": {k: servers.build_of_ours(k == "ours-pure") for k in kinds if k.startswith("ours")},
             "git": bb.git_info(), "ops": opts.instr_ops}
     print(f"# instructions per command (callgrind, user space); {bb.machine_line(meta)}", file=sys.stderr)
@@ -227,6 +260,9 @@ def main(opts) -> int:
     print(table(results, kinds))
     if opts.cache_sim:
         print(cache_table(results, kinds))
+        d1_text = f"D1 {d1_model[0] // 1024} KiB {d1_model[1]}-way" if d1_model else "this machine's D1"
+        print(f"\ncaches simulated: {d1_text}, L2 {l2_model[0] // 1024} KiB {l2_model[1]}-way"
+              + (" (--cache-model)" if opts.cache_model else " (this machine's)"))
     print(f"\n{bb.machine_line(meta)}; git {meta['git']['commit']}")
     out = bb.OUT / "instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)

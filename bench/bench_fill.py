@@ -5,7 +5,7 @@ Each server gets ``--conns`` clients putting 100-byte jobs one at a time (depth 
 ``--seconds``, nothing reserved, so the queue grows by a million jobs or more. The load
 generator reports every round trip's latency: p50 / p99 / p99.9 and the longest one. A
 Python broker can stop every client while its cyclic garbage collector visits the jobs it
-holds (``broker.server.tune_gc``); beanstalkd has no collector but grows its arrays. The
+holds (``broker.gcpolicy``); beanstalkd has no collector but grows its arrays. The
 2-second rows of broker_bench.py end before such a pause comes.
 
     python bench/bench_fill.py                                # beanstalkd, ours, ours-pure; 50 clients, 10 s

@@ -60,7 +60,8 @@ class Sink(asyncio.Transport):
 
 
 def make_ours():
-    from broker.server import BrokerServer, ServerConfig, tune_gc
+    from broker.gcpolicy import tune_gc
+    from broker.server import BrokerServer, ServerConfig
 
     tune_gc()  # as run_server does: millions of long-lived jobs must not be re-scanned
     server = BrokerServer(ServerConfig())

@@ -23,9 +23,9 @@ import asyncio
 import gc
 from typing import Any, Final
 
-# 400 puts of 100 bytes leave ~100 KB of jobs and bodies: a young collection finds them in a 512 KiB L2 even beside 500 connections'
-# state. Each collection costs ~6,000 instructions of its own, ~15 a put at this size (1,000 left a put at 500
-# connections ~2 more L2 misses for ~9 fewer instructions).
+# 400 puts of 100 bytes leave ~100 KB of jobs and bodies: a young collection finds them in a 512 KiB L2, even
+# beside 500 connections' state. A collection costs ~6,000 instructions of its own, ~15 a put at this size
+# (1,000 left a put at 500 connections ~2 more L2 misses for ~9 fewer instructions).
 GC_YOUNG: Final = 400
 GC_MIDDLE: Final = 2  # the middle generation is empty after every collection (frozen): its collections are young ones
 GC_OLD: Final = 1_700  # CPython's own oldest-generation collections, which the freeze leaves as small as young ones

@@ -17,19 +17,19 @@ import signal
 import stat
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 from broker import _build, logs, netio
 from broker.busypoll import BusyPoll
 from broker.connection import BrokerConnection
+from broker.gcpolicy import tune_gc
 from broker.queue import Queue, QueueListener
 from broker.state import LoopTimer, ServerConfig, ServerState
 
 if TYPE_CHECKING:
     from broker.metrics import Collector
 
-__all__ = ["BrokerServer", "ServerConfig", "clear_unix_path", "connection_class", "install_uvloop", "run_server",
-           "tune_gc"]
+__all__ = ["BrokerServer", "ServerConfig", "clear_unix_path", "connection_class", "install_uvloop", "run_server"]
 
 log = logging.getLogger("broker")
 
@@ -250,40 +250,13 @@ def connection_class(state: ServerState) -> type[BrokerConnection]:
     return LaneConnection
 
 
-# The cyclic collector's thresholds (gc.set_threshold). A collection of the middle generation comes after
-# GC_MIDDLE + 1 young ones and visits what they left there and the young generation: up to
-# GC_YOUNG * (GC_MIDDLE + 2) = 80,000 objects, ~0.1-0.25 us each for a job, a pause of ~10-20 ms. With
-# (50,000, 20) the middle generation gathered a million jobs while a queue filled, and its collection
-# stopped every client for ~230 ms (bench/bench_fill.py). Each job is still visited once in each young
-# generation: the old thresholds only put the middle visit off to the millionth object (a 2-second put row
-# ended before it), and over a fill of 3 million jobs these spend less time collecting in all. The oldest
-# generation, which visits every object, stays as rare as before: after GC_OLD middle collections (~100
-# million allocations).
-GC_YOUNG: Final = 20_000
-GC_MIDDLE: Final = 2
-GC_OLD: Final = 1_700
-
-
-def tune_gc() -> None:
-    """Keep the cyclic GC from walking every held job, and its pauses short.
-
-    A broker holds up to millions of long-lived, acyclic job objects; the default
-    thresholds make Python re-scan them again and again while a queue fills. The queue
-    breaks its own reference cycles when connections and tubes go away, so full collections
-    can be rare: what exists at start is frozen out of the scan, and the young generations
-    are collected in small steps (``GC_YOUNG``, ``GC_MIDDLE``, ``GC_OLD`` above).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, GC_MIDDLE, GC_OLD)
-
-
 async def run_server(config: ServerConfig, listener: QueueListener | None = None,
                      on_ready: Callable[[BrokerServer], None] | None = None,
                      before_start: Callable[[BrokerServer], None] | None = None) -> None:
-    tune_gc()
+    collector = tune_gc()
     server = BrokerServer(config, listener)
     loop = asyncio.get_running_loop()
+    collector.start(loop)
     server._stopped = asyncio.Event()
     # Handlers first: once the port accepts connections, signals must already be ours.
     loop.add_signal_handler(signal.SIGTERM, server.request_stop)
@@ -304,4 +277,7 @@ async def run_server(config: ServerConfig, listener: QueueListener | None = None
     await server.start()
     if on_ready is not None:
         on_ready(server)
-    await server.serve_until_stopped()
+    try:
+        await server.serve_until_stopped()
+    finally:
+        collector.stop()

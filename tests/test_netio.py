@@ -493,7 +493,7 @@ def test_a_client_flooding_commands_does_not_hold_the_loop(tmp_path: Any, transp
 def test_a_closed_connection_leaves_no_reference_cycle(transport: str) -> None:
     """A client that goes away, whatever it held (a reserved job, its own tube, a reserve still
     waiting), is freed by reference counting: nothing of its connection is left for the cyclic
-    collector, which visits a broker's old objects rarely (server.tune_gc), so a cycle would keep a
+    collector, which visits a broker's old objects rarely (broker.gcpolicy), so a cycle would keep a
     closed connection's objects and buffers for a long time. The C transport kept its protocol after
     connection_lost, a cycle with the connection's ``transport``, until it let it go as asyncio's do."""
     if transport == "c":

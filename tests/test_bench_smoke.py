@@ -157,6 +157,24 @@ def test_broker_bench_floor_missing_is_a_clear_error(tmp_path):
     assert "python_floor.py) was not found" in res.stderr and "nowhere.py" in res.stderr
 
 
+def test_cache_model_is_read_or_refused_with_its_rule(tmp_path):
+    """--cache-model sets the simulated D1 and L2 (the AMD EPYC VM's on any machine); a size valgrind cannot take
+    is refused before anything starts, with the rule, not a valgrind error after a server started."""
+    _bench_module()
+    import instructions
+
+    assert instructions.cache_model("32K,8:512K,8") == ((32 * 1024, 8), (512 * 1024, 8))
+    assert instructions.cache_model("48k,12:2M,16") == ((48 * 1024, 12), (2 * 1024 * 1024, 16))
+    assert instructions.cache_model(None) == (None, instructions.l2_geometry())
+    for bad in ("512K,8", "32K,8:100,3", "32K,8:3M,8", "x,8:1M,8"):
+        with pytest.raises(ValueError):
+            instructions.cache_model(bad)
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--instructions", "--cache-sim",
+                          "--cache-model", "32K,8:3M,8", "--servers", "floor", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 2 and "power-of-two number" in res.stderr
+
+
 def _breakdown_module():
     _bench_module()  # puts bench/ on sys.path for `import broker_bench, servers`
     if "breakdown" not in sys.modules:  # its dataclass needs the module registered while it loads

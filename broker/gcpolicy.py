@@ -8,7 +8,7 @@ costs is visiting. So:
 * what exists at start is frozen out of every scan (``gc.freeze``);
 * young collections come in small steps (``GC_YOUNG``), small enough that the jobs they visit are still in
   the core's cache: at the 20,000 of before, a young collection walked ~6 MB of jobs a put row had left
-  behind since the last one, and a put missed the L2 cache ~16 more times than it does now (a 512 KiB L2;
+  behind since the last one, and a put missed the L2 cache 16-24 more times than it does now (a 512 KiB L2;
   bench/README.md, "The collector visits each job while it is in the cache");
 * what survives a collection is frozen as soon as it ends (a list splice, not a walk), so a job is visited
   by one young collection instead of two (the middle generation's, which then finds nothing);

@@ -15,6 +15,7 @@ CHECKED=(
   spark_beanstalk
   pyspark_beanstalk
   jobs/_common.py
+  tests/faultfs.py
   tests/helpers.py
   tests/test_helpers.py
   tests/test_rules.py

@@ -32,11 +32,15 @@ import os
 import random
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import mfusepy  # type: ignore[import-untyped]
 
 PAGE = 4096
+# utimensat(2)'s markers in a timespec's nanoseconds: "now" and "leave as it is"
+UTIME_NOW = (1 << 30) - 1
+UTIME_OMIT = (1 << 30) - 2
 
 
 class Kept:
@@ -71,6 +75,8 @@ class Undo:
 
 class FaultFS(mfusepy.Operations):  # type: ignore[misc]
     """Pass-through to ``root`` with the faults of the module docstring."""
+
+    use_ns = True  # mfusepy: file times in integer nanoseconds, so that utimens sees UTIME_NOW / UTIME_OMIT
 
     def __init__(self, root: str, control: str) -> None:
         self.root = os.path.realpath(root)
@@ -147,8 +153,9 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
     def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
         self._check_power()
         st = os.lstat(self._full(path))
-        return {key: getattr(st, key) for key in (
-            "st_atime", "st_blocks", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")}
+        fields = {key: getattr(st, key) for key in ("st_blocks", "st_gid", "st_mode", "st_nlink", "st_size", "st_uid")}
+        # times in nanoseconds (use_ns)
+        return fields | {"st_atime": st.st_atime_ns, "st_ctime": st.st_ctime_ns, "st_mtime": st.st_mtime_ns}
 
     def access(self, path: str, amode: int) -> int:
         if not os.access(self._full(path), amode):
@@ -200,7 +207,18 @@ class FaultFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
-        os.utime(self._full(path), ns=times)
+        """(atime, mtime) in nanoseconds (use_ns), either of them possibly UTIME_NOW or UTIME_OMIT as the kernel
+        sent it (``touch``: both UTIME_NOW); None: now."""
+        full = self._full(path)
+        if times is None:
+            os.utime(full)
+            return 0
+        now, st = time.time_ns(), os.lstat(full)
+
+        def resolved(given: int, current: int) -> int:
+            return now if given == UTIME_NOW else current if given == UTIME_OMIT else given
+
+        os.utime(full, ns=(resolved(times[0], st.st_atime_ns), resolved(times[1], st.st_mtime_ns)))
         return 0
 
     def create(self, path: str, mode: int, fi: object = None) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spark_beanstalk.embedded import PORT_POOL_LOW, SPAWN_ATTEMPTS, ephemeral_ports, listens_on, spawn
-from tests.helpers import broker_process, free_port, member_process, wait_until
+from tests.helpers import FaultyDisk, broker_process, free_port, member_process, wait_until
 
 
 def test_wait_until_returns_the_first_truthy_value() -> None:
@@ -194,3 +194,23 @@ def test_a_start_fails_at_once_on_other_errors_and_after_the_last_efault() -> No
     with pytest.raises(OSError) as info:
         spawn(["true"], subprocess.DEVNULL, None, None, popen=popen)
     assert info.value.errno == errno.EFAULT and popen.calls == SPAWN_ATTEMPTS
+
+
+def test_the_faulty_disk_sets_file_times_given_now_or_left(tmp_path: Path) -> None:
+    """tests/faultfs.py passed mfusepy's float seconds (and None) to os.utime as ns=: every utime on the mount
+    failed with EINVAL (mypy --strict found the None case once the file joined the lint gate); "now" and "leave
+    as it is" come as utimensat's markers, which the float seconds had lost."""
+    disk = FaultyDisk(tmp_path)
+    try:
+        kept = disk.mount / "f"
+        kept.write_bytes(b"x")
+        os.utime(kept, (1_000_000_000, 2_000_000_000))
+        assert os.stat(disk.backing / "f").st_mtime == 2_000_000_000
+        before = time.time()
+        os.utime(kept)
+        assert os.stat(disk.backing / "f").st_mtime >= before - 1
+        atime = os.stat(disk.backing / "f").st_atime
+        subprocess.run(["touch", "-m", "-d", "@5", str(kept)], check=True, timeout=10)  # atime: UTIME_OMIT
+        assert os.stat(disk.backing / "f").st_mtime == 5 and os.stat(disk.backing / "f").st_atime == atime
+    finally:
+        disk.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.gcpolicy import GC_YOUNG
 from spark_beanstalk.embedded import beanstalkd_binary, beanstalkd_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,3 +241,15 @@ def test_bench_fill_reports_the_longest_round_trip(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "bench_fill.py"), "--servers", "floor"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "unknown server floor" in bad.stderr
+
+
+def test_gc_garbage_reports_what_the_full_collection_freed(tmp_path):
+    """bench/gc_garbage.py: the broker in-process under its mixed load, then the full collection's count."""
+    out = tmp_path / "gc.json"
+    res = subprocess.run([sys.executable, str(BENCH / "gc_garbage.py"), "--seconds", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert all(n > 0 for n in result["rounds"].values()), result["rounds"]
+    assert result["young_collections"] > 0 and result["gc_young"] == GC_YOUNG
+    assert result["freed_by_full_collection"] >= 0 and "the full collection freed" in res.stdout

@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import urllib.error
@@ -35,25 +34,10 @@ if str(ROOT) not in sys.path:
 
 from broker import gcpolicy  # noqa: E402
 from broker.cli import broker_command  # noqa: E402
-from spark_beanstalk.embedded import free_port, wait_until  # noqa: E402
+from spark_beanstalk.client import Connection  # noqa: E402
+from spark_beanstalk.embedded import free_port, wait_for_port  # noqa: E402
 
 PAGES = ("/metrics", "/healthz", "/readyz", "/", "/api/overview", "/tube?name=default", "/nope")
-
-
-def command(sock: socket.socket, line: bytes, body: bytes | None = None) -> bytes:
-    """One command, its whole reply (a RESERVED reply with its body)."""
-    sock.sendall(line + b"\r\n" + (body + b"\r\n" if body is not None else b""))
-    reply = b""
-    while not reply.endswith(b"\r\n"):
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the broker closed the connection")
-        reply += chunk
-    if reply.startswith(b"RESERVED "):
-        head = reply.split(b"\r\n", 1)[0]
-        while len(reply) < len(head) + int(head.split()[2]) + 4:
-            reply += sock.recv(65536)
-    return reply
 
 
 class Load:
@@ -70,21 +54,27 @@ class Load:
             self.rounds[kind] += 1
 
     def worker(self) -> None:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
+        conn = Connection("127.0.0.1", self.port, timeout=10)
+        try:
             while not self.stop.is_set():
-                command(sock, b"put 100 0 60 5", b"hello")
-                reply = command(sock, b"reserve-with-timeout 0")
-                if reply.startswith(b"RESERVED "):
-                    command(sock, b"delete " + reply.split()[1])
-                command(sock, b"no-such-command")
-                command(sock, b"stats-tube default")
+                conn.put(b"hello", priority=100, ttr=60)
+                job = conn.reserve(timeout=0)
+                if job is not None:
+                    conn.delete(job.id)
+                conn.call("no-such-command")
+                conn.stats_tube("default")
                 self._count("worker")
+        finally:
+            conn.close()
 
     def connector(self) -> None:
         while not self.stop.is_set():
-            with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
-                command(sock, b"use gc-garbage")
-                command(sock, b"put 0 0 60 3", b"abc")
+            conn = Connection("127.0.0.1", self.port, timeout=10)
+            try:
+                conn.use("gc-garbage")
+                conn.put(b"abc", priority=0, ttr=60)
+            finally:
+                conn.close()
             self._count("connect")
 
     def scraper(self) -> None:
@@ -111,7 +101,8 @@ class Load:
 def measure(port: int, http_port: int, seconds: float, result: dict) -> None:
     """The driver thread: wait for the broker, load it, collect, report, stop the broker."""
     try:
-        wait_until(lambda: _accepts(port) and _accepts(http_port), 30, "the broker and its HTTP listener")
+        for listener in (port, http_port):
+            wait_for_port("127.0.0.1", listener, 30)
         policy = gcpolicy.tune_gc()  # the broker installed it already: this returns the same policy
         load = Load(port, http_port)
         frozen_before, young_before = gc.get_freeze_count(), policy.young_since_full
@@ -126,14 +117,6 @@ def measure(port: int, http_port: int, seconds: float, result: dict) -> None:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def main() -> int:

@@ -106,11 +106,14 @@ def measure(port: int, http_port: int, seconds: float, result: dict) -> None:
         policy = gcpolicy.tune_gc()  # the broker installed it already: this returns the same policy
         load = Load(port, http_port)
         frozen_before, young_before = gc.get_freeze_count(), policy.young_since_full
+        visited_before, skipped_before = policy.visited, policy.skipped
         load.run(seconds)
         frozen, young = gc.get_freeze_count(), policy.young_since_full - young_before
+        visited, skipped = policy.visited - visited_before, policy.skipped - skipped_before
         freed = policy.collect_all()
         result.update(seconds=seconds, gc_young=gcpolicy.GC_YOUNG, rounds=load.rounds,
                       frozen_before=frozen_before, frozen_after_load=frozen, young_collections=young,
+                      young_visited=visited, young_skipped=skipped,
                       freed_by_full_collection=freed, frozen_after_full=gc.get_freeze_count(),
                       full_after_young=policy.full_after)
     except Exception as exc:  # noqa: BLE001 - reported, then the broker is stopped all the same
@@ -137,7 +140,8 @@ def main() -> int:
     rate = result["young_collections"] / opts.seconds
     hours = result["full_after_young"] / rate / 3600 if rate else float("inf")
     print(f"{opts.seconds:.0f} s of mixed load (rounds: {result['rounds']}), young collections of "
-          f"{result['gc_young']}: {result['young_collections']} young collections ({rate:.1f} a second); frozen "
+          f"{result['gc_young']}: {result['young_collections']} young collections ({rate:.1f} a second; "
+          f"{result['young_visited']} visited the young generation, {result['young_skipped']} froze it); frozen "
           f"objects {result['frozen_before']:,} -> {result['frozen_after_load']:,}; the full collection freed "
           f"**{result['freed_by_full_collection']:,}** objects ({result['freed_by_full_collection'] / opts.seconds:.1f}"
           f" a second); at this load the full collection comes every ~{hours:.1f} h")

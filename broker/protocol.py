@@ -518,6 +518,8 @@ class Decoder:
         "auth_enabled",
         "buf",
         "header_sent",
+        "last_cmd",
+        "last_line",
         "line_cache",
         "max_job_size",
         "mode",
@@ -537,6 +539,11 @@ class Decoder:
         self.need = 0
         self.pending: PutLine | None = None
         self.header_sent = False
+        # The last line parse_packet found in line_cache, and what the cache held for it: a worker sends the same
+        # put and reserve lines again and again, and comparing two short bytes costs less than hashing a new one
+        # for the look-up (~230 instructions of a compiled command). b"": none yet (no line is empty there).
+        self.last_line = b""
+        self.last_cmd: LineCommand | None = None
 
     def feed(self, data: bytes) -> None:
         """Buffer ``data``. With nothing buffered the packet itself becomes the buffer, so lines
@@ -581,8 +588,16 @@ class Decoder:
         if end < 0 or end > LINE_LIMIT - 2 or end + 1 == len(data) or data[end + 1] != 10:
             return None
         line = data[:end]
-        # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
-        cmd = self.line_cache.get(line) if data[0] != 100 else None
+        cmd: LineCommand | None
+        if data[0] == 100:  # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
+            cmd = None
+        elif line == self.last_line:
+            cmd = self.last_cmd
+        else:
+            cmd = self.line_cache.get(line)
+            if cmd is not None:
+                self.last_line = line
+                self.last_cmd = cmd
         if cmd is None:
             if self.auth_enabled and line.startswith(b"auth "):
                 return None

@@ -598,6 +598,47 @@ def test_parse_packet_agrees_with_the_incremental_decoder(cases):
             assert [fast] == items and slow.buffered() == 0, packet
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(_packets(), _CANONICAL), min_size=1, max_size=6), st.lists(st.integers(0, 5), min_size=20,
+       max_size=20), st.booleans(), st.integers(3, 70000))
+def test_one_decoder_parsing_packets_that_repeat_agrees_with_the_incremental_decoder(pool, order, auth, max_job_size):
+    """As a connection does: one decoder (its last-line memo) and the server's shared line cache over a stream
+    in which packets repeat, each checked against a fresh decoder's exact path."""
+    cache: p.LineCache = {}
+    fast = p.Decoder(max_job_size, auth_enabled=auth, line_cache=cache)
+    for i in order:
+        packet = pool[i % len(pool)]
+        got = fast.parse_packet(packet)
+        slow = p.Decoder(max_job_size, auth_enabled=auth)
+        slow.feed(packet)
+        items = drain(slow)
+        if got is not None:
+            assert [got] == items and slow.buffered() == 0, packet
+
+
+def test_a_decoder_answers_its_last_cached_line_again_without_the_cache() -> None:
+    """A worker sends the same put and reserve lines again and again: after the first hit, the decoder compares
+    the line with its last one instead of hashing it for the shared cache. Seen here through a cleared cache:
+    a look-up would miss and parse the line into the cache again (the compiled build reads a dict subclass's
+    table directly, so a counting ``get`` would not see it)."""
+    cache: p.LineCache = {}
+    decoder = p.Decoder(65535, line_cache=cache)
+    put = b"put 1 0 60 3\r\nabc\r\n"
+    assert decoder.parse_packet(put) == ("put", 1, 0, 60, b"abc", False)  # a miss: parsed, then cached
+    assert decoder.parse_packet(put) == ("put", 1, 0, 60, b"abc", False)  # a hit: remembered
+    cache.clear()
+    assert decoder.parse_packet(b"put 1 0 60 3\r\nxyz\r\n") == ("put", 1, 0, 60, b"xyz", False)
+    assert not cache, "the decoder looked its last line up again"
+    assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve")  # another line: looked up, parsed, cached
+    assert list(cache) == [b"reserve"]
+    assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve")  # a hit: remembered
+    cache.clear()
+    assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve") and not cache
+    assert decoder.parse_packet(put) == ("put", 1, 0, 60, b"abc", False)  # not the last line: looked up again
+    assert list(cache) == [b"put 1 0 60 3"]
+    assert decoder.parse_packet(b"delete 7\r\n") == ("delete", 7) and list(cache) == [b"put 1 0 60 3"]
+
+
 def test_a_cached_put_line_serves_every_path_of_the_decoder() -> None:
     """The line cache keeps a put line as a plain tuple (protocol.PutLine): a decoder with a smaller
     limit sharing the cache still refuses it (parse_line, parse_packet, next_command), and a body

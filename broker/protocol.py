@@ -520,6 +520,8 @@ class Decoder:
         "header_sent",
         "last_cmd",
         "last_line",
+        "last_put",
+        "last_put_line",
         "line_cache",
         "max_job_size",
         "mode",
@@ -539,9 +541,12 @@ class Decoder:
         self.need = 0
         self.pending: PutLine | None = None
         self.header_sent = False
-        # The last line parse_packet found in line_cache, and what the cache held for it: a worker sends the same
-        # put and reserve lines again and again, and comparing two short bytes costs less than hashing a new one
-        # for the look-up (~230 instructions of a compiled command). b"": none yet (no line is empty there).
+        # The last line parse_packet found in line_cache, and what the cache held for it, one for lines that start
+        # with "p" (put) and one for the rest (reserve): a worker sends the same put and reserve lines again and
+        # again, and comparing two short bytes costs less than hashing a new one for the look-up (~230
+        # instructions of a compiled command). b"": none yet (no line is empty there).
+        self.last_put_line = b""
+        self.last_put: LineCommand | None = None
         self.last_line = b""
         self.last_cmd: LineCommand | None = None
 
@@ -589,8 +594,17 @@ class Decoder:
             return None
         line = data[:end]
         cmd: LineCommand | None
-        if data[0] == 100:  # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
+        first = data[0]
+        if first == 100:  # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
             cmd = None
+        elif first == 112:  # "p"
+            if line == self.last_put_line:
+                cmd = self.last_put
+            else:
+                cmd = self.line_cache.get(line)
+                if cmd is not None:
+                    self.last_put_line = line
+                    self.last_put = cmd
         elif line == self.last_line:
             cmd = self.last_cmd
         else:

@@ -618,9 +618,9 @@ def test_one_decoder_parsing_packets_that_repeat_agrees_with_the_incremental_dec
 
 def test_a_decoder_answers_its_last_cached_line_again_without_the_cache() -> None:
     """A worker sends the same put and reserve lines again and again: after the first hit, the decoder compares
-    the line with its last one instead of hashing it for the shared cache. Seen here through a cleared cache:
-    a look-up would miss and parse the line into the cache again (the compiled build reads a dict subclass's
-    table directly, so a counting ``get`` would not see it)."""
+    the line with its last put line or its last other line instead of hashing it for the shared cache. Seen
+    here through a cleared cache: a look-up would miss and parse the line into the cache again (the compiled
+    build reads a dict subclass's table directly, so a counting ``get`` would not see it)."""
     cache: p.LineCache = {}
     decoder = p.Decoder(65535, line_cache=cache)
     put = b"put 1 0 60 3\r\nabc\r\n"
@@ -634,9 +634,12 @@ def test_a_decoder_answers_its_last_cached_line_again_without_the_cache() -> Non
     assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve")  # a hit: remembered
     cache.clear()
     assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve") and not cache
-    assert decoder.parse_packet(put) == ("put", 1, 0, 60, b"abc", False)  # not the last line: looked up again
-    assert list(cache) == [b"put 1 0 60 3"]
-    assert decoder.parse_packet(b"delete 7\r\n") == ("delete", 7) and list(cache) == [b"put 1 0 60 3"]
+    assert decoder.parse_packet(put) == ("put", 1, 0, 60, b"abc", False)  # the last put line, reserves between
+    assert not cache, "a reserve made the decoder look its last put line up again"
+    assert decoder.parse_packet(b"delete 7\r\n") == ("delete", 7) and not cache  # a delete line is never cached
+    assert decoder.parse_packet(b"put 2 0 60 3\r\nabc\r\n") == ("put", 2, 0, 60, b"abc", False)  # another
+    assert list(cache) == [b"put 2 0 60 3"]
+    assert decoder.parse_packet(b"reserve\r\n") == p.Bare("reserve") and list(cache) == [b"put 2 0 60 3"]
 
 
 def test_a_cached_put_line_serves_every_path_of_the_decoder() -> None:

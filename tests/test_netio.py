@@ -152,6 +152,129 @@ def test_commands_from_many_connections_are_answered_in_order() -> None:
     run(body)
 
 
+def arrived(sock: socket.socket) -> bool:
+    """Whether a reply waits on this client socket (without taking it)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False
+
+
+async def commands_in_one_poll(count: int, make: Callable[[], Recorder]) -> tuple[
+        netio.NetioServer, list[Recorder], list[socket.socket]]:
+    """``count`` connected clients, then client i sends ``b"%d;" % i`` on each, all before the loop runs
+    again: on loopback a send() queues the data on the server's socket at once, so one poll of the
+    server finds every socket ready."""
+    protos: list[Recorder] = []
+    server, port = await serve(protos, make)
+    socks = [await client(port) for _ in range(count)]
+    await wait_until_async(lambda: len(protos) == count, TIMEOUT, "every connection accepted")
+    await asyncio.sleep(0)  # the accepts' transports start reading
+    for i, sock in enumerate(socks):
+        sock.send(b"%d;" % i)
+    return server, protos, socks
+
+
+def test_replies_made_in_one_poll_leave_together_after_it() -> None:
+    """broker/_netio.c, "Replies leave in batches": while a poll serves its ready sockets, no reply
+    is sent until the last of them has been read; then every one is."""
+    served: list[int] = []
+    seen_early: list[int] = []
+    socks: list[socket.socket] = []
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        served.append(int(data.rstrip(b";")))
+        seen_early.extend(i for i in served[:-1] if arrived(socks[i]))
+        proto.transport.write(b"reply %d;" % served[-1])
+
+    async def body() -> None:
+        server, protos, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
+        socks.extend(clients)
+        for i, sock in enumerate(socks):
+            want = b"reply %d;" % i
+            assert await recv_exactly(sock, len(want)) == want
+        assert sorted(served) == list(range(5))
+        assert seen_early == [], f"replies sent before the poll had read every socket: {seen_early}"
+        assert server.reply_batches() == (1, 5)
+        for sock in socks:
+            sock.close()
+        server.close()
+
+    run(body)
+
+
+def test_a_poll_sends_the_held_replies_every_32_connections() -> None:
+    """The bound on holding: a reply waits for at most 32 other connections' commands."""
+    served: list[int] = []
+    seen: list[int] = []  # when connection k of this poll is served: how many replies have left
+    socks: list[socket.socket] = []
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        seen.append(sum(arrived(socks[i]) for i in served))
+        served.append(int(data.rstrip(b";")))
+        proto.transport.write(b"ok;")
+
+    async def body() -> None:
+        server, protos, clients = await commands_in_one_poll(70, lambda: Recorder(answer))
+        socks.extend(clients)
+        for sock in socks:
+            assert await recv_exactly(sock, 3) == b"ok;"
+        assert len(served) == 70
+        assert seen == [0] * 33 + [32] * 32 + [64] * 5
+        assert server.reply_batches() == (3, 70)
+        for sock in socks:
+            sock.close()
+        server.close()
+
+    run(body)
+
+
+def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -> None:
+    """A reply too large to hold goes after what the connection holds; close() sends what is held and
+    then closes; abort() drops it; a write outside a poll (a callback of the loop) leaves at once."""
+    big = b"b" * (64 * 1024)
+    sent_at_once: list[bool] = []
+    socks: list[socket.socket] = []
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        index = int(data.rstrip(b";"))
+        if index == 0:
+            proto.transport.write(b"small;")
+            proto.transport.write(big)  # past the hold's 16 KiB: sent now, after "small;"
+            proto.transport.write(b";end")
+        elif index == 1:
+            proto.transport.write(b"bye")
+            proto.transport.close()
+            proto.transport.write(b"dropped")  # after close(), as asyncio drops it
+        elif index == 2:
+            proto.transport.write(b"never")
+            proto.transport.abort()
+        else:
+            def later() -> None:
+                proto.transport.write(b"later")
+                sent_at_once.append(arrived(socks[3]))
+            asyncio.get_running_loop().call_soon(later)
+
+    async def body() -> None:
+        server, protos, clients = await commands_in_one_poll(4, lambda: Recorder(answer))
+        socks.extend(clients)
+        want = b"small;" + big + b";end"
+        assert await recv_exactly(socks[0], len(want)) == want
+        assert await recv_until_eof(socks[1]) == b"bye"
+        with contextlib.suppress(ConnectionResetError):
+            assert await recv_until_eof(socks[2]) == b""
+        assert await recv_exactly(socks[3], 5) == b"later"
+        assert sent_at_once == [True]
+        await wait_until_async(lambda: protos[1].lost and protos[2].lost, TIMEOUT, "connection_lost")
+        assert protos[1].lost == [None] and protos[2].lost == [None]
+        assert protos[1].events == ["made", "lost"]
+        for sock in socks:
+            sock.close()
+        server.close()
+
+    run(body)
+
+
 def test_close_delivers_everything_buffered_with_flow_control_then_eof() -> None:
     """A reply larger than the socket takes: the rest is buffered, the protocol paused above
     the high-water mark and resumed once drained; close() sends it all before closing."""

@@ -3,36 +3,13 @@
 # then the suite. README's second command; .ci/run runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v beanstalkd >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq beanstalkd
-fi
-if ! command -v chromium >/dev/null 2>&1; then  # the dashboard's browser tests (Playwright drives it)
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
-fi
-if ! command -v etcd >/dev/null 2>&1; then  # replication failover tests (leadership held in etcd)
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server
-fi
-if ! command -v fusermount3 >/dev/null 2>&1; then  # tests/faultfs.py: I/O errors under the binlog
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3
-fi
-if ! command -v java >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openjdk-17-jre-headless
-fi
-if ! cc --version >/dev/null 2>&1; then  # bench/loadgen.c (the benchmark smoke tests) and the compiled broker core
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev
-fi
+. scripts/need.sh
+need beanstalkd beanstalkd  # the differential suite and the client suites run against beanstalkd 1.12 too
+need chromium chromium  # the dashboard's browser tests (Playwright drives it)
+need etcd etcd-server  # replication failover tests (leadership held in etcd)
+need fusermount3 fuse3  # tests/faultfs.py: I/O errors under the binlog
+need java openjdk-17-jre-headless  # Spark
+need cc gcc libc6-dev  # bench/loadgen.c (the benchmark smoke tests) and the compiled broker core
 python3 -m pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
 # A machine with a working C compiler must get the compiled core: a hot module mypyc cannot compile
 # would otherwise fall back to interpreted code without a word, and CI would test only that.

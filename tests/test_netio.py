@@ -160,6 +160,17 @@ def arrived(sock: socket.socket) -> bool:
         return False
 
 
+def sender(data: bytes) -> int:
+    """The index of the client that sent this command (commands_in_one_poll)."""
+    return int(data.rstrip(b";"))
+
+
+def close_all(server: netio.NetioServer, socks: list[socket.socket]) -> None:
+    for sock in socks:
+        sock.close()
+    server.close()
+
+
 async def commands_in_one_poll(count: int, make: Callable[[], Recorder]) -> tuple[
         netio.NetioServer, list[Recorder], list[socket.socket]]:
     """``count`` connected clients, then client i sends ``b"%d;" % i`` on each, all before the loop runs
@@ -183,12 +194,12 @@ def test_replies_made_in_one_poll_leave_together_after_it() -> None:
     socks: list[socket.socket] = []
 
     def answer(proto: Recorder, data: bytes) -> None:
-        served.append(int(data.rstrip(b";")))
+        served.append(sender(data))
         seen_early.extend(i for i in served[:-1] if arrived(socks[i]))
         proto.transport.write(b"reply %d;" % served[-1])
 
     async def body() -> None:
-        server, protos, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
+        server, _, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
         socks.extend(clients)
         for i, sock in enumerate(socks):
             want = b"reply %d;" % i
@@ -196,9 +207,7 @@ def test_replies_made_in_one_poll_leave_together_after_it() -> None:
         assert sorted(served) == list(range(5))
         assert seen_early == [], f"replies sent before the poll had read every socket: {seen_early}"
         assert server.reply_batches() == (1, 5)
-        for sock in socks:
-            sock.close()
-        server.close()
+        close_all(server, socks)
 
     run(body)
 
@@ -211,20 +220,18 @@ def test_a_poll_sends_the_held_replies_every_32_connections() -> None:
 
     def answer(proto: Recorder, data: bytes) -> None:
         seen.append(sum(arrived(socks[i]) for i in served))
-        served.append(int(data.rstrip(b";")))
+        served.append(sender(data))
         proto.transport.write(b"ok;")
 
     async def body() -> None:
-        server, protos, clients = await commands_in_one_poll(70, lambda: Recorder(answer))
+        server, _, clients = await commands_in_one_poll(70, lambda: Recorder(answer))
         socks.extend(clients)
         for sock in socks:
             assert await recv_exactly(sock, 3) == b"ok;"
         assert len(served) == 70
         assert seen == [0] * 33 + [32] * 32 + [64] * 5
         assert server.reply_batches() == (3, 70)
-        for sock in socks:
-            sock.close()
-        server.close()
+        close_all(server, socks)
 
     run(body)
 
@@ -237,7 +244,7 @@ def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -
     socks: list[socket.socket] = []
 
     def answer(proto: Recorder, data: bytes) -> None:
-        index = int(data.rstrip(b";"))
+        index = sender(data)
         if index == 0:
             proto.transport.write(b"small;")
             proto.transport.write(big)  # past the hold's 16 KiB: sent now, after "small;"
@@ -268,9 +275,7 @@ def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -
         await wait_until_async(lambda: protos[1].lost and protos[2].lost, TIMEOUT, "connection_lost")
         assert protos[1].lost == [None] and protos[2].lost == [None]
         assert protos[1].events == ["made", "lost"]
-        for sock in socks:
-            sock.close()
-        server.close()
+        close_all(server, socks)
 
     run(body)
 

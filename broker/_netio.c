@@ -276,17 +276,20 @@ static void flush(Transport *t)
         schedule_lost(t, NULL);
 }
 
-/* Send every held reply (the poller's held[] empties). */
+/* Send every held reply (the poller's held[] empties). A callback that flush() runs (resume_writing)
+   may write again: such a write starts the next batch in held[], so this one is sent from a copy. */
 static void send_held(Poller *p)
 {
     int n = p->nheld;
     if (n == 0)
         return;
+    Transport *batch[BATCH_CONNECTIONS];
+    memcpy(batch, p->held, (size_t)n * sizeof(Transport *));
     p->nheld = 0;
     p->batches++;
     p->batched += (unsigned long long)n;
     for (int i = 0; i < n; i++) {
-        Transport *t = p->held[i];
+        Transport *t = batch[i];
         t->held = 0;
         if (!t->lost && t->wlen > t->wpos)
             flush(t);

@@ -193,13 +193,19 @@ def test_replies_made_in_one_poll_leave_together_after_it() -> None:
     seen_early: list[int] = []
     socks: list[socket.socket] = []
 
+    made: list[bytes] = []
+    held_by_transport: list[bool] = []
+
     def answer(proto: Recorder, data: bytes) -> None:
         served.append(sender(data))
         seen_early.extend(i for i in served[:-1] if arrived(socks[i]))
-        proto.transport.write(b"reply %d;" % served[-1])
+        reply = b"reply %d;" % served[-1]
+        made.append(reply)
+        proto.transport.write(reply)
+        held_by_transport.append(any(ref is proto.transport for ref in gc.get_referrers(reply)))
 
     async def body() -> None:
-        server, _, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
+        server, protos, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
         socks.extend(clients)
         for i, sock in enumerate(socks):
             want = b"reply %d;" % i
@@ -207,6 +213,9 @@ def test_replies_made_in_one_poll_leave_together_after_it() -> None:
         assert sorted(served) == list(range(5))
         assert seen_early == [], f"replies sent before the poll had read every socket: {seen_early}"
         assert server.reply_batches() == (1, 5)
+        # Held by reference, not copied into the connection's buffer; let go once sent.
+        assert held_by_transport == [True] * 5
+        assert not any(isinstance(ref, type(protos[0].transport)) for reply in made for ref in gc.get_referrers(reply))
         close_all(server, socks)
 
     run(body)
@@ -237,8 +246,9 @@ def test_a_poll_sends_the_held_replies_every_32_connections() -> None:
 
 
 def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -> None:
-    """A reply too large to hold goes after what the connection holds; close() sends what is held and
-    then closes; abort() drops it; a write outside a poll (a callback of the loop) leaves at once."""
+    """Several writes of one connection in a batch leave in order, and a reply too large to hold goes after
+    what the connection holds; close() sends what is held and then closes; abort() drops it; a write
+    outside a poll (a callback of the loop) leaves at once; a mutable buffer is copied, not referenced."""
     big = b"b" * (64 * 1024)
     sent_at_once: list[bool] = []
     socks: list[socket.socket] = []
@@ -247,8 +257,14 @@ def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -
         index = sender(data)
         if index == 0:
             proto.transport.write(b"small;")
-            proto.transport.write(big)  # past the hold's 16 KiB: sent now, after "small;"
+            assert proto.transport.get_write_buffer_size() == 6  # held, and counted as buffered
+            proto.transport.write(b"more;")  # after the held one
+            proto.transport.write(big)  # past the hold's 16 KiB: sent now, after what is held
             proto.transport.write(b";end")
+        elif index == 4:
+            mutable = bytearray(b"as written")
+            proto.transport.write(mutable)  # not bytes: copied when held, as asyncio's transports copy
+            mutable[:] = b"overwritten"
         elif index == 1:
             proto.transport.write(b"bye")
             proto.transport.close()
@@ -263,15 +279,16 @@ def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -
             asyncio.get_running_loop().call_soon(later)
 
     async def body() -> None:
-        server, protos, clients = await commands_in_one_poll(4, lambda: Recorder(answer))
+        server, protos, clients = await commands_in_one_poll(5, lambda: Recorder(answer))
         socks.extend(clients)
-        want = b"small;" + big + b";end"
+        want = b"small;more;" + big + b";end"
         assert await recv_exactly(socks[0], len(want)) == want
         assert await recv_until_eof(socks[1]) == b"bye"
         with contextlib.suppress(ConnectionResetError):
             assert await recv_until_eof(socks[2]) == b""
         assert await recv_exactly(socks[3], 5) == b"later"
         assert sent_at_once == [True]
+        assert await recv_exactly(socks[4], 10) == b"as written"
         await wait_until_async(lambda: protos[1].lost and protos[2].lost, TIMEOUT, "connection_lost")
         assert protos[1].lost == [None] and protos[2].lost == [None]
         assert protos[1].events == ["made", "lost"]

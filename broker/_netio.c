@@ -254,19 +254,34 @@ static int buffer_append(Transport *t, const char *data, size_t len)
     return 0;
 }
 
-static void flush(Transport *t)
+/* Send what the socket takes now of [*p, *p + *len), moving both on: 0 (all sent, or the socket
+   is full), or the errno of a failed send. */
+static int send_now(int fd, const char **p, size_t *len)
 {
-    while (t->wlen > t->wpos) {
-        ssize_t n = send(t->fd, t->wbuf + t->wpos, t->wlen - t->wpos, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (*len > 0) {
+        ssize_t n = send(fd, *p, *len, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
-                break;
-            os_error(t, errno);
-            return;
+                return 0;
+            return errno;
         }
-        t->wpos += (size_t)n;
+        *p += n;
+        *len -= (size_t)n;
+    }
+    return 0;
+}
+
+static void flush(Transport *t)
+{
+    const char *p = t->wbuf + t->wpos;
+    size_t left = t->wlen - t->wpos;
+    int err = send_now(t->fd, &p, &left);
+    t->wpos = t->wlen - left;
+    if (err) {
+        os_error(t, err);
+        return;
     }
     if (t->wpos == t->wlen) {
         t->wpos = t->wlen = 0;
@@ -301,22 +316,10 @@ static void send_hold(Transport *t)
     t->hold = NULL;
     const char *p = PyBytes_AS_STRING(hold);
     size_t len = (size_t)PyBytes_GET_SIZE(hold);
-    while (len > 0) {
-        ssize_t n = send(t->fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                break;
-            int err = errno;
-            Py_DECREF(hold);
-            os_error(t, err);
-            return;
-        }
-        p += n;
-        len -= (size_t)n;
-    }
-    if (len > 0 && buffer_append(t, p, len) < 0)
+    int err = send_now(t->fd, &p, &len);
+    if (err)
+        os_error(t, err);
+    else if (len > 0 && buffer_append(t, p, len) < 0)
         callback_failed(t, "out of memory buffering a reply");
     Py_DECREF(hold);
 }
@@ -399,20 +402,11 @@ static PyObject *Transport_write(Transport *t, PyObject *data)
         Py_RETURN_NONE;
     }
     if (t->wlen == t->wpos) {
-        while (len > 0) {
-            ssize_t n = send(t->fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (n < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno == EAGAIN || errno == EWOULDBLOCK)
-                    break;
-                int err = errno;
-                PyBuffer_Release(&view);
-                os_error(t, err);
-                Py_RETURN_NONE;
-            }
-            p += n;
-            len -= (size_t)n;
+        int err = send_now(t->fd, &p, &len);
+        if (err) {
+            PyBuffer_Release(&view);
+            os_error(t, err);
+            Py_RETURN_NONE;
         }
         if (len == 0) {
             PyBuffer_Release(&view);

@@ -223,7 +223,11 @@ def test_breakdown_one_row_of_ours(tmp_path):
     assert r["samples"] > 20 and r["errors"] == 0
     assert abs(sum(r["shares_pct"].values()) - 100) < 0.01
     assert abs(sum(r["us_per_cmd"].values()) - r["cpu_us_per_cmd"]) < 0.01 * r["cpu_us_per_cmd"]
-    assert r["shares_pct"]["kernel"] > 5 and r["shares_pct"]["cpython"] > 5
+    # Both present, not how much: with one connection the split depends on the machine's load. Alone, the broker's
+    # busy poll keeps it awake and CPython is ~27% of its samples; beside a busy process (CI's other test worker)
+    # the poll backs off, every command is a sleep and a wake-up, and the kernel takes ~90% (CPython 3.3-5.9% with
+    # two CPU burners: `cpython > 5` failed 2 of 4 runs so, and once in CI).
+    assert r["shares_pct"]["kernel"] > 5 and r["shares_pct"]["cpython"] > 0.5
     if data["meta"]["builds"]["ours"].startswith("compiled"):
         assert r["shares_pct"]["own"] > 0  # samples inside broker/*.so
 

@@ -20,8 +20,8 @@ methods they use, with asyncio's semantics:
 * after ``connection_lost`` the transport holds neither the protocol nor the socket
   (``get_protocol()`` is None), so a closed connection is freed by reference counting.
 
-Replies leave in batches. A ``write()`` made while a poll serves its ready sockets is held in
-the transport's buffer, and the held replies are sent back to back after every
+Replies leave in batches. A ``write()`` made while a poll serves its ready sockets is held by
+the transport, and the held replies are sent back to back after every
 BATCH_CONNECTIONS connections written to and at the end of the poll (a write from anywhere
 else, a timer or a callback, is sent at once). Why: on loopback a send() runs the receiving
 socket's TCP input and wakes its reader if it sleeps; with a client process that owns many
@@ -297,6 +297,12 @@ static void flush(Transport *t)
         schedule_lost(t, NULL);
 }
 
+/* Bytes written and not sent yet: the buffer's, and a held reply's. */
+static size_t unsent(Transport *t)
+{
+    return t->wlen - t->wpos + (t->hold != NULL ? (size_t)PyBytes_GET_SIZE(t->hold) : 0);
+}
+
 /* The held reply goes into the buffer, ahead of what comes next (the buffer is empty while a reply
    is held: every write to a holding connection comes here first). */
 static int release_hold(Transport *t)
@@ -356,8 +362,7 @@ static int hold_write(Transport *t, PyObject *data, const char *buf, size_t len)
         return 0;
     size_t limit = t->high < BATCH_BYTES ? t->high : BATCH_BYTES;
     if (t->held) { /* a further write in this batch: into the buffer, after the held reply */
-        size_t pending = t->wlen - t->wpos + (t->hold != NULL ? (size_t)PyBytes_GET_SIZE(t->hold) : 0);
-        if (pending + len > limit)
+        if (unsent(t) + len > limit)
             return 0;
         if (t->hold != NULL && release_hold(t) < 0)
             return -1;
@@ -600,7 +605,7 @@ static PyObject *Transport_is_reading(Transport *t, PyObject *Py_UNUSED(ignored)
 
 static PyObject *Transport_get_write_buffer_size(Transport *t, PyObject *Py_UNUSED(ignored))
 {
-    return PyLong_FromSize_t(t->wlen - t->wpos + (t->hold != NULL ? (size_t)PyBytes_GET_SIZE(t->hold) : 0));
+    return PyLong_FromSize_t(unsent(t));
 }
 
 static PyObject *Transport_get_write_buffer_limits(Transport *t, PyObject *Py_UNUSED(ignored))

@@ -297,6 +297,35 @@ def test_held_replies_keep_their_order_and_close_sends_them_abort_drops_them() -
     run(body)
 
 
+def test_a_peer_reset_while_its_reply_is_held_loses_only_that_connection() -> None:
+    """The fault path of a held reply: its client resets during the poll, the send at the batch's end fails, and
+    that connection is lost with the error, once; the others of the batch get their replies."""
+    socks: list[socket.socket] = []
+
+    def answer(proto: Recorder, data: bytes) -> None:
+        index = sender(data)
+        proto.transport.write(b"reply %d;" % index)  # held until the poll has read every socket
+        if index == 1:
+            peer = socks[1]
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            peer.close()  # RST, on loopback at once: the held reply's send meets it
+
+    async def body() -> None:
+        server, protos, clients = await commands_in_one_poll(3, lambda: Recorder(answer))
+        socks.extend(clients)
+        for i in (0, 2):
+            want = b"reply %d;" % i
+            assert await recv_exactly(socks[i], len(want)) == want
+        await wait_until_async(lambda: protos[1].lost, TIMEOUT, "connection_lost of the reset connection")
+        assert len(protos[1].lost) == 1 and isinstance(protos[1].lost[0], OSError), protos[1].lost
+        assert protos[1].transport.get_write_buffer_size() == 0
+        assert protos[0].lost == [] and protos[2].lost == []
+        assert server.reply_batches() == (1, 3)
+        close_all(server, [socks[0], socks[2]])
+
+    run(body)
+
+
 def test_close_delivers_everything_buffered_with_flow_control_then_eof() -> None:
     """A reply larger than the socket takes: the rest is buffered, the protocol paused above
     the high-water mark and resumed once drained; close() sends it all before closing."""

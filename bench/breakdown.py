@@ -14,7 +14,8 @@ is not sampled). Each sample is classified by the object its instruction pointer
   allocation, GC, dicts... For ``ours-pure`` and ``floor`` this includes their Python
   logic, which runs inside the eval loop;
 * ``own``     - the server's own machine code: ``broker/*.so`` + ``broker__mypyc*.so``
-  (the mypyc-compiled core) for ours, the ``beanstalkd`` binary for beanstalkd;
+  (the mypyc-compiled core) for ours, the ``beanstalkd`` binary for beanstalkd, ``wire_server`` for
+  the wire server (bench/wire_server.c);
 * ``other``   - libc, the dynamic loader, the vDSO, everything else.
 
 The shares are multiplied by the server's CPU per command from ``/proc/PID/stat`` over
@@ -76,7 +77,7 @@ def classify(dso: str, kind: str) -> str:
     name = os.path.basename(dso)
     if "uvloop" in dso:
         return "uvloop"
-    if kind == "beanstalkd" and name == "beanstalkd":
+    if (kind, name) in (("beanstalkd", "beanstalkd"), ("wire", "wire_server")):
         return "own"
     if name.startswith("broker__mypyc") or ("/broker/" in dso and name.endswith(".so")):
         return "own"

@@ -56,16 +56,7 @@ CLIENT_CPU = 1  # the core the load generator gets when pinned
 # ----------------------------------------------------------------- helpers
 def build_loadgen(force: bool = False) -> Path:
     """Compile bench/loadgen.c into bench/bin/loadgen if missing or older than the source."""
-    if not force and BIN.exists() and BIN.stat().st_mtime >= SRC.stat().st_mtime:
-        return BIN
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc) found to build bench/loadgen.c")
-    BIN.parent.mkdir(parents=True, exist_ok=True)
-    tmp = BIN.with_suffix(f".tmp{os.getpid()}")
-    subprocess.run([cc, "-O2", "-Wall", "-o", str(tmp), str(SRC)], check=True)
-    os.replace(tmp, BIN)
-    return BIN
+    return servers.build_c(SRC, BIN, force)
 
 
 def raise_nofile(want: int = 65536) -> int:
@@ -245,7 +236,7 @@ def fmt_num(v, nd=1):
 
 
 OURS = ("ours", "ours-pure")
-REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"), ("ceiling", "ceiling"))
+REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"), ("ceiling", "ceiling"), ("wire", "wire"))
 
 
 def add_ratios(row: dict) -> None:
@@ -400,8 +391,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 s rows, 20k-job drains")
     p.add_argument("--servers", default=None,
-                   help="comma list of: beanstalkd, ours, ours-pure, floor, ceiling (see bench/servers.py); default "
-                        "beanstalkd,ours,floor (--breakdown: all four)")
+                   help="comma list of: beanstalkd, ours, ours-pure, floor, ceiling, wire (see bench/servers.py); "
+                        "default beanstalkd,ours,floor (--breakdown: all four)")
     p.add_argument("--pure", action="store_true",
                    help="also run ours-pure (SPARK_BEANSTALK_PURE=1): both builds of ours side by side")
     p.add_argument("--floor", default=None, help="path of python_floor.py (default: shared/tools/ beside the repo)")

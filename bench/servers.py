@@ -11,6 +11,11 @@ Kinds:
   (no priorities, timers, stats or error paths). The least any Python server costs.
 * ``ceiling`` - ``bench/ceiling_server.py``: asyncio + uvloop answering the load generator
   with no jobs kept at all (a count): what no Python server on this stack can beat.
+* ``wire`` - ``bench/wire_server.c``: a C server that frames the load generator's commands
+  and answers each with a constant reply, busy polling and holding a poll's replies as our
+  compiled broker does. Its throughput is the most the load generator can drive on this
+  machine: on 2 cores the generator pays about as much kernel time a command as the server,
+  so a server cheaper than the generator shows the generator's rate, not its own.
 
 Ratios between these move from machine to machine (CPU, kernel, Python build): always
 compare servers measured in the same run, on the same machine.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +38,10 @@ from spark_beanstalk.embedded import (
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-KINDS = ("beanstalkd", "ours", "ours-pure", "floor", "ceiling")
+KINDS = ("beanstalkd", "ours", "ours-pure", "floor", "ceiling", "wire")
 CEILING = BENCH / "ceiling_server.py"
+WIRE_SRC = BENCH / "wire_server.c"
+WIRE_BIN = BENCH / "bin" / "wire_server"
 FLOOR_ENV = "SPARK_BEANSTALK_FLOOR"
 PURE_ENV = "SPARK_BEANSTALK_PURE"
 FLOOR_REL = Path("shared") / "tools" / "python_floor.py"
@@ -63,6 +71,21 @@ def floor_script(explicit: str | None = None) -> Path:
                        f"pass --floor PATH, set {FLOOR_ENV}, or leave `floor` out of --servers")
 
 
+def build_c(src: Path, out: Path, force: bool = False) -> Path:
+    """Compile one of the bench's C programs (the load generator, the wire server) into
+    bench/bin/ if missing or older than its source."""
+    if not force and out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError(f"no C compiler (gcc) found to build {src.relative_to(ROOT)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    subprocess.run([cc, "-O2", "-Wall", "-o", str(tmp), str(src)], check=True)
+    os.replace(tmp, out)
+    return out
+
+
 def _env(pure: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(PURE_ENV, None)
@@ -89,6 +112,10 @@ def server_process(kind: str, ours_args: list[str], stderr_path: str | None = No
         port = free_port()
         return ServerProcess(argv=[sys.executable, str(CEILING), str(port)], host="127.0.0.1",
                              port=port, env=_env(False), stderr_path=stderr_path)
+    if kind == "wire":
+        port = free_port()
+        return ServerProcess(argv=[str(build_c(WIRE_SRC, WIRE_BIN)), str(port)], host="127.0.0.1",
+                             port=port, stderr_path=stderr_path)
     raise ValueError(f"unknown server kind {kind!r} (one of {', '.join(KINDS)})")
 
 

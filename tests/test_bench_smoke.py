@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,48 @@ def test_loadgen_fill_then_drain(loadgen):
     assert fill["ops"] == fill["jobs"] == 3000
     assert drain["jobs"] == 3000  # every pre-filled job reserved and deleted, none more
     assert drain["errors"] == 0 and drain["conn_errors"] == 0
+
+
+@pytest.fixture
+def wire():
+    """A fresh, not yet started wire server (bench/wire_server.c, built on first use)."""
+    return _bench_module().servers.server_process("wire", [])
+
+
+def test_the_wire_server_drives_each_workload_without_an_error(loadgen, wire):
+    """bench/wire_server.c answers every workload of the load generator as a broker would (a fill
+    of pipelined puts, then a drain; put and cycle at depths 1 and 8), else its rate means nothing."""
+    with wire as srv:
+        runs = [_run(loadgen, "-p", str(srv.port), "-w", w, "-c", "4", "-d", d, "-t", "0.3", "-W", "0.1",
+                     "-P", str(srv.pid)) for w in ("put", "cycle") for d in ("1", "8")]
+        fill = _run(loadgen, "-p", str(srv.port), "-w", "put", "-c", "1", "-d", "64", "-n", "3000", "-T", "smoke")
+        drain = _run(loadgen, "-p", str(srv.port), "-w", "drain", "-c", "3", "-d", "8", "-n", "3000", "-T", "smoke")
+    for data in [*runs, fill, drain]:
+        assert data["errors"] == 0 and data["conn_errors"] == 0, data["first_error"]
+    assert all(data["ops"] > 500 for data in runs)
+    assert fill["jobs"] == 3000 and drain["jobs"] == 3000
+
+
+def test_the_wire_server_frames_split_and_pipelined_commands(wire):
+    """A put's line and body split across packets, several commands in one packet, an unknown
+    command, and a peer that leaves mid-command: each gets its reply, and the server lives on."""
+    with wire as srv:
+        quitter = socket.create_connection((srv.host, srv.port), timeout=5)
+        quitter.sendall(b"put 0 0 60 5\r\nhe")
+        with socket.create_connection((srv.host, srv.port), timeout=5) as c:
+            c.sendall(b"use t\r\nput 0 0 6")
+            quitter.close()
+            c.sendall(b"0 5\r\nhel")
+            c.sendall(b"lo\r\nreserve\r\ndelete 1\r\nwatch t\r\nbogus\r\n")
+            want = (b"USING t\r\nINSERTED 1\r\nRESERVED 1 100\r\n" + b"x" * 100
+                    + b"\r\nDELETED\r\nWATCHING 1\r\nUNKNOWN_COMMAND\r\n")
+            got = b""
+            while len(got) < len(want):
+                chunk = c.recv(4096)
+                assert chunk, got
+                got += chunk
+        assert got == want
+        assert srv.proc is not None and srv.proc.poll() is None
 
 
 def _floor_available() -> bool:
@@ -204,6 +247,7 @@ def test_breakdown_classifies_perf_samples():
     assert split.counts == {"kernel": 2, "uvloop": 1, "cpython": 1, "own": 2, "other": 1}
     assert bd.classify("/usr/bin/beanstalkd", "beanstalkd") == "own"
     assert bd.classify("/usr/bin/beanstalkd", "ours") == "other"
+    assert bd.classify("/work/x/bench/bin/wire_server", "wire") == "own"
 
 
 def test_breakdown_one_row_of_ours(tmp_path):

@@ -239,16 +239,31 @@ OURS = ("ours", "ours-pure")
 REFERENCES = (("beanstalkd", "bs"), ("floor", "floor"), ("ceiling", "ceiling"), ("wire", "wire"))
 
 
+def pair_ratios(row: dict, a: str, b: str) -> list[float]:
+    """a/b of each repetition in which both ran: the servers of one repetition run back to back, so a
+    slow or fast phase of a shared machine touches both sides of a pair, where the medians of a noisy
+    row may come from different phases."""
+    metric = row_metric(row)
+    runs_a, runs_b = row.get("runs", {}).get(a, []), row.get("runs", {}).get(b, [])
+    return [x[metric] / y[metric] for x, y in zip(runs_a, runs_b, strict=False)
+            if not x.get("failed") and not y.get("failed") and x.get(metric) and y.get(metric)]
+
+
 def add_ratios(row: dict) -> None:
-    """ours/beanstalkd and ours/floor on ops/s (jobs/s for drain), for each build of ours."""
+    """ours/beanstalkd and ours/floor on ops/s (jobs/s for drain), for each build of ours: the ratio of the
+    medians, and the median of the repetitions' back-to-back pairs (``pair_ratios``)."""
     metric = row_metric(row)
     ratios = {}
+    pairs = {}
     for ours in OURS:
         o = row["servers"].get(ours, {}).get(metric)
         for ref, _ in REFERENCES:
             r = row["servers"].get(ref, {}).get(metric)
             ratios[f"{ours}/{ref}"] = (o / r) if (o is not None and r) else None
+            values = pair_ratios(row, ours, ref)
+            pairs[f"{ours}/{ref}"] = {"median": med(values), "n": len(values)}
     row["ratios"] = ratios
+    row["pair_ratios"] = pairs
     row["ratio"] = ratios.get("ours/beanstalkd")  # the historical column
     oc = row["servers"].get("ours", {}).get("server_cpu_us_per_op")
     bc = row["servers"].get("beanstalkd", {}).get("server_cpu_us_per_op")
@@ -284,7 +299,11 @@ def markdown(rows: list[dict], servers: list[str]) -> str:
             cells += [rate, f"{fmt_lat(m.get('p50_us'))} / {fmt_lat(m.get('p99_us'))}"]
         for key, _ in ratios:
             r = row.get("ratios", {}).get(key)
-            cells += ["-" if r is None else f"{r:.2f}"]
+            pair = row.get("pair_ratios", {}).get(key, {})
+            cell = "-" if r is None else f"{r:.2f}"
+            if r is not None and pair.get("n", 0) > 1:
+                cell += f" ({pair['median']:.2f})"
+            cells += [cell]
         for s in servers:
             cells += [fmt_num(row["servers"].get(s, {}).get("server_cpu_us_per_op"))]
         cells += [", ".join(f"{kind} {gap:.0%}" for kind, gap in unsteady(row).items()) or "-"]
@@ -432,7 +451,9 @@ def parse_args(argv=None):
     p.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     p.add_argument("--profile-server", default="ours", choices=("ours", "ours-pure", "floor"),
                    help="with --profile: which server to profile")
-    p.add_argument("--table-from", metavar="JSON", help="only re-print the markdown table of an earlier run's JSON")
+    p.add_argument("--table-from", metavar="JSON[,JSON...]",
+                   help="only re-print the markdown table of an earlier run's JSON; several (comma-separated): "
+                        "their repetitions pooled, row by row")
     o = p.parse_args(argv)
     if o.breakdown:
         o.reps = o.reps or 1
@@ -465,20 +486,55 @@ def parse_args(argv=None):
     return o
 
 
-def table_from(path: str) -> int:
-    data = json.loads(Path(path).read_text())
-    rows = data["rows"]
-    servers = data["meta"]["args"]["servers"]
+PAIRS_NOTE = ("each ratio: of the medians, then (in brackets) the median of the repetitions' ratios, a pair of "
+              "servers running back to back")
+
+
+def pool_rows(runs_of: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rows of several runs' JSON as one table: each row's repetitions of every run, in order. A server
+    a run left out of a row counts as failed there, so that repetition i of one server still pairs with
+    repetition i of another (a row's runs are lists indexed by repetition)."""
+    servers: list[str] = []
+    pooled: dict[tuple, dict] = {}
+    for data in runs_of:
+        servers += [s for s in data["meta"]["args"]["servers"] if s not in servers]
+        for row in data["rows"]:
+            key = (row["workload"], row["conns"], row["depth"])
+            into = pooled.setdefault(key, {"workload": key[0], "conns": key[1], "depth": key[2],
+                                           "pinned": row["pinned"], "runs": {}, "servers": {}, "_reps": 0})
+            into["pinned"] = into["pinned"] and row["pinned"]
+            reps = max((len(runs) for runs in row["runs"].values()), default=0)
+            for kind in set(into["runs"]) | set(row["runs"]):
+                have = into["runs"].setdefault(kind, [{"failed": True, "error": "not run"}] * into["_reps"])
+                have += row["runs"].get(kind) or [{"failed": True, "error": "not run"}] * reps
+            into["_reps"] += reps
+    rows = list(pooled.values())
+    for row in rows:
+        del row["_reps"]
+        row["servers"] = {kind: summarize(runs) for kind, runs in row["runs"].items()}
+    return rows, servers
+
+
+def table_from(paths: str) -> int:
+    """Re-print the table of one run's JSON, or (comma-separated paths) of several runs pooled."""
+    runs_of = [json.loads(Path(path).read_text()) for path in paths.split(",")]
+    if len(runs_of) == 1:
+        rows, servers = runs_of[0]["rows"], runs_of[0]["meta"]["args"]["servers"]
+    else:
+        rows, servers = pool_rows(runs_of)
     for row in rows:
         add_ratios(row)
-    meta = data["meta"]
     print(markdown(rows, servers))
     print(unsteady_note(rows))
-    if "machine" in meta:
-        print(f"\n{machine_line(meta)}")
-    print(f"\nstarted {meta['started_utc']}, finished {meta.get('finished_utc')}, commit {meta['git']['commit']}"
-          f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; load average at start "
-          f"{meta['loadavg_start'][0]:.2f}, at end {meta.get('loadavg_end', [0])[0]:.2f}")
+    print(PAIRS_NOTE)
+    for data in runs_of:
+        meta = data["meta"]
+        if "machine" in meta:
+            print(f"\n{machine_line(meta)}")
+        print(f"\nstarted {meta['started_utc']}, finished {meta.get('finished_utc')}, commit {meta['git']['commit']}"
+              f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; load average at start "
+              f"{meta['loadavg_start'][0]:.2f}, at end {meta.get('loadavg_end', [0])[0]:.2f}; "
+              f"{meta['args'].get('reps')} rep(s)")
     return 0
 
 
@@ -572,6 +628,8 @@ def main(argv=None) -> int:
     gen_max = max((m.get("client_cpu_pct_max") or 0) for r in rows for m in r["servers"].values())
     print(table)
     print(unsteady_note(rows))
+    if opts.reps > 1:
+        print(PAIRS_NOTE)
     print(f"\nstarted {meta['started_utc']}, finished {meta['finished_utc']}, commit {meta['git']['commit']}"
           f"{' + uncommitted broker/' if meta['git']['broker_dirty'] else ''}; "
           f"load average at start {meta['loadavg_start'][0]:.2f}, at end {meta['loadavg_end'][0]:.2f}; "

@@ -159,6 +159,54 @@ def test_an_unsteady_row_is_named_under_the_table():
     assert table.splitlines()[-1].endswith("| ours 25% |") and table.splitlines()[-2].endswith("| - |")
 
 
+def test_ratios_of_back_to_back_pairs_and_runs_pooled(tmp_path):
+    """Each ratio also comes as the median of the repetitions' pairs (the servers of one repetition run back
+    to back); --table-from with several runs pools their repetitions row by row, a server a run left out
+    padded so that the pairs stay aligned."""
+    bench = _bench_module()
+
+    def rep(ops: float) -> dict:
+        return {"ops_per_s": ops, "jobs_per_s": ops, "lat_us": {"p50": 1.0, "p99": 2.0}}
+
+    def run(servers: list[str], runs: dict, pinned: bool) -> dict:
+        row = {"workload": "put", "conns": 50, "depth": 1, "pinned": pinned, "runs": runs}
+        row["servers"] = {kind: bench.summarize(r) for kind, r in runs.items()}
+        return {"meta": {"args": {"servers": servers, "reps": 3}, "started_utc": "t", "loadavg_start": [0.0],
+                         "git": {"commit": "c", "broker_dirty": False}}, "rows": [row]}
+
+    # A machine slow for ours in repetition 2: the medians pair ours's 150 (repetition 1) with the floor's 100
+    # (repetition 1) for 1.50, while in two of three back-to-back pairs ours was 1.25x the floor.
+    first = run(["ours", "floor"], {"ours": [rep(150), rep(100), rep(200)], "floor": [rep(100), rep(80), rep(160)]},
+                pinned=True)
+    (row,) = first["rows"]
+    bench.add_ratios(row)
+    assert row["ratios"]["ours/floor"] == 1.5
+    assert row["pair_ratios"]["ours/floor"] == {"median": 1.25, "n": 3}
+    assert "| 1.50 (1.25) |" in bench.markdown([row], ["ours", "floor"])
+
+    # A second run without ours-pure, and a third without the floor: each pair is of one repetition.
+    second = run(["ours", "ours-pure", "floor"], {"ours": [rep(250)], "ours-pure": [rep(90)], "floor": [rep(100)]},
+                 pinned=False)
+    third = run(["ours", "ours-pure"], {"ours": [rep(10)], "ours-pure": [rep(5)]}, pinned=True)
+    paths = []
+    for i, data in enumerate((first, second, third)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    rows, servers = bench.pool_rows([json.loads(p.read_text()) for p in paths])
+    assert servers == ["ours", "floor", "ours-pure"]
+    (pooled,) = rows
+    assert [len(pooled["runs"][kind]) for kind in servers] == [5, 5, 5]
+    assert not pooled["pinned"]  # pinned in some runs only
+    bench.add_ratios(pooled)
+    assert pooled["pair_ratios"]["ours/floor"] == {"median": 1.375, "n": 4}  # 1.5, 1.25, 1.25, 2.5
+    assert pooled["pair_ratios"]["ours-pure/floor"] == {"median": 0.9, "n": 1}
+    assert pooled["servers"]["floor"]["n"] == 4 and pooled["servers"]["ours-pure"]["failed"] == 3
+    res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--table-from", ",".join(map(str, paths))],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "(1.38)" in res.stdout and res.stdout.count("started t,") == 3
+
+
 def test_bench_busypoll_one_gap_each_server():
     res = subprocess.run([sys.executable, str(BENCH / "bench_busypoll.py"), "--gaps", "0", "--seconds", "0.3"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)

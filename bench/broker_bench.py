@@ -526,7 +526,8 @@ def table_from(paths: str) -> int:
         add_ratios(row)
     print(markdown(rows, servers))
     print(unsteady_note(rows))
-    print(PAIRS_NOTE)
+    if any(pair["n"] > 1 for row in rows for pair in row["pair_ratios"].values()):
+        print(PAIRS_NOTE)
     for data in runs_of:
         meta = data["meta"]
         if "machine" in meta:

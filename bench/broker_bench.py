@@ -490,27 +490,30 @@ PAIRS_NOTE = ("each ratio: of the medians, then (in brackets) the median of the 
               "servers running back to back")
 
 
+NOT_RUN = {"failed": True, "error": "not run"}  # a server one pooled run left out of a row
+
+
 def pool_rows(runs_of: list[dict]) -> tuple[list[dict], list[str]]:
-    """The rows of several runs' JSON as one table: each row's repetitions of every run, in order. A server
-    a run left out of a row counts as failed there, so that repetition i of one server still pairs with
+    """The rows of several runs' JSON (or one's) as one table: each row's repetitions of every run, in order. A
+    server a run left out of a row counts as failed there, so that repetition i of one server still pairs with
     repetition i of another (a row's runs are lists indexed by repetition)."""
     servers: list[str] = []
     pooled: dict[tuple, dict] = {}
+    reps_so_far: dict[tuple, int] = {}
     for data in runs_of:
         servers += [s for s in data["meta"]["args"]["servers"] if s not in servers]
         for row in data["rows"]:
             key = (row["workload"], row["conns"], row["depth"])
             into = pooled.setdefault(key, {"workload": key[0], "conns": key[1], "depth": key[2],
-                                           "pinned": row["pinned"], "runs": {}, "servers": {}, "_reps": 0})
+                                           "pinned": row["pinned"], "runs": {}})
             into["pinned"] = into["pinned"] and row["pinned"]
+            before = reps_so_far.get(key, 0)
             reps = max((len(runs) for runs in row["runs"].values()), default=0)
-            for kind in set(into["runs"]) | set(row["runs"]):
-                have = into["runs"].setdefault(kind, [{"failed": True, "error": "not run"}] * into["_reps"])
-                have += row["runs"].get(kind) or [{"failed": True, "error": "not run"}] * reps
-            into["_reps"] += reps
+            for kind in [*into["runs"], *(k for k in row["runs"] if k not in into["runs"])]:  # first seen, first
+                into["runs"].setdefault(kind, [NOT_RUN] * before).extend(row["runs"].get(kind) or [NOT_RUN] * reps)
+            reps_so_far[key] = before + reps
     rows = list(pooled.values())
     for row in rows:
-        del row["_reps"]
         row["servers"] = {kind: summarize(runs) for kind, runs in row["runs"].items()}
     return rows, servers
 
@@ -518,10 +521,7 @@ def pool_rows(runs_of: list[dict]) -> tuple[list[dict], list[str]]:
 def table_from(paths: str) -> int:
     """Re-print the table of one run's JSON, or (comma-separated paths) of several runs pooled."""
     runs_of = [json.loads(Path(path).read_text()) for path in paths.split(",")]
-    if len(runs_of) == 1:
-        rows, servers = runs_of[0]["rows"], runs_of[0]["meta"]["args"]["servers"]
-    else:
-        rows, servers = pool_rows(runs_of)
+    rows, servers = pool_rows(runs_of)
     for row in rows:
         add_ratios(row)
     print(markdown(rows, servers))

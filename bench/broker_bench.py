@@ -520,7 +520,18 @@ def pool_rows(runs_of: list[dict]) -> tuple[list[dict], list[str]]:
 
 def table_from(paths: str) -> int:
     """Re-print the table of one run's JSON, or (comma-separated paths) of several runs pooled."""
-    runs_of = [json.loads(Path(path).read_text()) for path in paths.split(",")]
+    runs_of = []
+    for path in paths.split(","):
+        try:
+            data = json.loads(Path(path).read_text())
+            args = data.get("meta", {}).get("args", {}) if isinstance(data, dict) else {}
+            if "rows" not in data or "servers" not in args:
+                raise ValueError("no rows or meta.args.servers")
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"--table-from: {path} is not a broker_bench.py result ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            return 2
+        runs_of.append(data)
     rows, servers = pool_rows(runs_of)
     for row in rows:
         add_ratios(row)

@@ -205,6 +205,12 @@ def test_ratios_of_back_to_back_pairs_and_runs_pooled(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "(1.38)" in res.stdout and res.stdout.count("started t,") == 3
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    for bad in (tmp_path / "missing.json", tmp_path / "other.json"):
+        res = subprocess.run([sys.executable, str(BENCH / "broker_bench.py"), "--table-from", f"{paths[0]},{bad}"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert res.returncode == 2 and f"{bad} is not a broker_bench.py result" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
 
 
 def test_bench_busypoll_one_gap_each_server():

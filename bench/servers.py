@@ -22,6 +22,7 @@ compare servers measured in the same run, on the same machine.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -120,14 +121,36 @@ def server_process(kind: str, ours_args: list[str], stderr_path: str | None = No
 
 
 def cpu_model() -> str:
+    """The CPU's name, with family, model, stepping, clock and L2 from /proc/cpuinfo.
+
+    A VM often shows only "AMD EPYC": three different parts (Zen 3, 4 and 5) have run this bench
+    under that name, and ratios differ between them, so the figures need the numbers too.
+    """
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return describe_cpuinfo(f.read()) or platform.processor() or platform.machine()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+
+
+def describe_cpuinfo(text: str) -> str:
+    """`model name (family F model M stepping S, N MHz, cache K KB)` from the first CPU in a cpuinfo text."""
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "")
+    if not name:
+        return ""
+    ident = " ".join(f"{label} {fields[key]}" for key, label in
+                     (("cpu family", "family"), ("model", "model"), ("stepping", "stepping")) if key in fields)
+    parts = [ident] if ident else []
+    with contextlib.suppress(KeyError, ValueError):
+        parts.append(f"{float(fields['cpu MHz']):.0f} MHz")
+    if fields.get("cache size"):
+        parts.append(f"cache {fields['cache size']}")
+    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def python_build() -> str:

@@ -357,3 +357,15 @@ def test_gc_garbage_reports_what_the_full_collection_freed(tmp_path):
     # (read a moment apart while the broker's loop runs on: a collection under way between the reads counts in one)
     assert abs(result["young_visited"] + result["young_skipped"] - result["young_collections"]) <= 1, result
     assert result["freed_by_full_collection"] >= 0 and "the full collection freed" in res.stdout
+
+
+def test_the_cpu_is_named_with_family_model_and_stepping():
+    """A VM may call Zen 3, 4 and 5 parts all "AMD EPYC": the numbers tell them apart in every figure."""
+    servers = _bench_module().servers
+    amd = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+           "stepping\t: 1\ncpu MHz\t\t: 2596.122\ncache size\t: 1024 KB\n\n"
+           "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: other\n")
+    assert servers.describe_cpuinfo(amd) == "AMD EPYC (family 26 model 2 stepping 1, 2596 MHz, cache 1024 KB)"
+    assert servers.describe_cpuinfo("model name\t: Intel Xeon\ncpu MHz\t: ?\n") == "Intel Xeon"
+    assert servers.describe_cpuinfo("processor\t: 0\n") == ""
+    assert servers.cpu_model()

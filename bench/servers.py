@@ -121,16 +121,17 @@ def server_process(kind: str, ours_args: list[str], stderr_path: str | None = No
 
 
 def cpu_model() -> str:
-    """The CPU's name, with family, model, stepping, clock and L2 from /proc/cpuinfo.
+    """The CPU's name, with family, model, stepping, clock and cache size from /proc/cpuinfo.
 
     A VM often shows only "AMD EPYC": three different parts (Zen 3, 4 and 5) have run this bench
     under that name, and ratios differ between them, so the figures need the numbers too.
     """
     try:
         with open("/proc/cpuinfo") as f:
-            return describe_cpuinfo(f.read()) or platform.processor() or platform.machine()
+            text = f.read()
     except OSError:
-        return platform.processor() or platform.machine()
+        text = ""
+    return describe_cpuinfo(text) or platform.processor() or platform.machine()
 
 
 def describe_cpuinfo(text: str) -> str:
